@@ -1,0 +1,41 @@
+# The two commands: `make run` and `make test`. Everything they need is
+# installed by these rules into .venv (created if missing).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.specgate-installed
+
+.PHONY: install run test test-fast lint typecheck bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the project's dependencies change.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
+	touch $@
+
+install: $(STAMP)
+
+lint: install
+	$(BIN)/ruff check .
+
+typecheck: install
+	$(BIN)/mypy
+
+test-fast: lint typecheck
+	$(BIN)/python -m pytest -q -x
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+# The control plane on SQLite (.specgate/), example policies loaded; prints
+# its URL, the API docs and a fresh admin key. Ctrl-C stops it.
+run: install
+	$(BIN)/specgate up
+
+bench: install
+	$(BIN)/python -m bench.decisions
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,0 +1,235 @@
+"""The policy document: validated, immutable models of ``specgate/v1``.
+
+Structure and per-field bounds live here; rules that need the whole document
+(engine references, duplicate names, shadowing) live in ``validate.py`` so
+that every problem of a document can be reported in one pass.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+API_VERSION = "specgate/v1"
+
+# Names travel in response headers and metric labels, so they stay short and plain.
+Identifier = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+]
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+SpeculativeTokens = Annotated[int, Field(ge=1, le=16)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+# Names with a meaning of their own in a Decision: a rule may not take them.
+RESERVED_RULE_NAMES = frozenset({"default", "kill-switch", "fallback"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Range(_Strict):
+    """An inclusive integer range; either bound may be left open, not both."""
+
+    min: Annotated[int, Field(ge=0)] | None = None
+    max: Annotated[int, Field(ge=0)] | None = None
+
+    @field_validator("max")
+    @classmethod
+    def _not_inverted(cls, value: int | None, info: object) -> int | None:
+        data = getattr(info, "data", {})
+        low = data.get("min")
+        if value is not None and low is not None and value < low:
+            raise PydanticCustomError(
+                "inverted_range", "max ({high}) is below min ({low}): the range is empty",
+                {"high": value, "low": low},
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _has_a_bound(self) -> Range:
+        if self.min is None and self.max is None:
+            raise PydanticCustomError(
+                "empty_range", "a range needs min, max or both; an empty range would match everything"
+            )
+        return self
+
+    def contains(self, value: int) -> bool:
+        return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+
+    def covers(self, other: Range) -> bool:
+        """True when every value in ``other`` is also in ``self``."""
+        low_ok = self.min is None or (other.min is not None and other.min >= self.min)
+        high_ok = self.max is None or (other.max is not None and other.max <= self.max)
+        return low_ok and high_ok
+
+
+StringSet = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1024)]
+
+
+def _one_or_many(value: object) -> object:
+    # A label may be written as one value or a list; the normal form is a list,
+    # so equal meanings hash to equal revisions.
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return value
+    raise PydanticCustomError("wrong_type", "expected a string or a list of strings")
+
+
+LabelValues = Annotated[StringSet, BeforeValidator(_one_or_many)]
+
+
+class When(_Strict):
+    """Predicates on the request shape; all given predicates must hold."""
+
+    route: StringSet | None = None
+    model: StringSet | None = None
+    batch_size: Range | None = None
+    max_tokens: Range | None = None
+    prompt_tokens: Range | None = None
+    structured_output: bool | None = None
+    tools: bool | None = None
+    stream: bool | None = None
+    labels: Annotated[dict[NonEmptyStr, LabelValues], Field(min_length=1)] | None = None
+
+    def label_sets(self) -> dict[str, frozenset[str]]:
+        if not self.labels:
+            return {}
+        return {k: frozenset(v) for k, v in self.labels.items()}
+
+
+class Then(_Strict):
+    engine: Identifier
+    num_speculative_tokens: SpeculativeTokens | None = None
+
+
+class Rule(_Strict):
+    name: Identifier
+    description: str | None = None
+    when: When = When()
+    then: Then
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value in RESERVED_RULE_NAMES:
+            raise PydanticCustomError(
+                "reserved_name", "rule name '{name}' is reserved for decisions that no rule made",
+                {"name": value},
+            )
+        return value
+
+
+class PlainEngine(_Strict):
+    method: Literal["none"]
+    description: str | None = None
+
+
+class NgramEngine(_Strict):
+    method: Literal["ngram"]
+    description: str | None = None
+    num_speculative_tokens: SpeculativeTokens
+    prompt_lookup_min: Annotated[int, Field(ge=1, le=64)] | None = None
+    prompt_lookup_max: Annotated[int, Field(ge=1, le=64)] | None = None
+
+    @field_validator("prompt_lookup_max")
+    @classmethod
+    def _lookup_not_inverted(cls, value: int | None, info: object) -> int | None:
+        low = getattr(info, "data", {}).get("prompt_lookup_min")
+        if value is not None and low is not None and value < low:
+            raise PydanticCustomError(
+                "inverted_range", "prompt_lookup_max ({high}) is below prompt_lookup_min ({low})",
+                {"high": value, "low": low},
+            )
+        return value
+
+
+class DraftModelEngine(_Strict):
+    method: Literal["draft_model"]
+    description: str | None = None
+    model: NonEmptyStr
+    num_speculative_tokens: SpeculativeTokens
+    draft_tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] | None = None
+
+
+class EagleEngine(_Strict):
+    method: Literal["eagle", "eagle3"]
+    description: str | None = None
+    model: NonEmptyStr
+    num_speculative_tokens: SpeculativeTokens
+
+
+class MtpEngine(_Strict):
+    method: Literal["mtp"]
+    description: str | None = None
+    num_speculative_tokens: SpeculativeTokens
+
+
+Engine = Annotated[
+    PlainEngine | NgramEngine | DraftModelEngine | EagleEngine | MtpEngine,
+    Field(discriminator="method"),
+]
+SpeculativeEngine = NgramEngine | DraftModelEngine | EagleEngine | MtpEngine
+ENGINE_METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "mtp")
+ENGINE_MODELS = (PlainEngine, NgramEngine, DraftModelEngine, EagleEngine, MtpEngine)
+
+
+def engine_k(engine: PlainEngine | SpeculativeEngine) -> int:
+    """Draft length an engine variant is configured with; 0 for a plain engine."""
+    return 0 if isinstance(engine, PlainEngine) else engine.num_speculative_tokens
+
+
+class Exploration(_Strict):
+    """A holdout: this share of requests gets the other decision, tagged.
+
+    Speculative decisions are explored on the policy's plain engine, plain
+    decisions on ``speculative_engine``; the split is a sticky hash of the
+    request id, so a replay of the same request explores the same way.
+    """
+
+    rate: Annotated[float, Field(ge=0.0, le=0.5)] = 0.0
+    speculative_engine: Identifier | None = None
+
+
+class Guardrails(_Strict):
+    """Limits a rollout step must respect; a breach rolls the step back."""
+
+    max_p95_itl_regression: Annotated[float, Field(ge=0.0, le=10.0)] = 0.10
+    max_retry_rate_increase: Fraction = 0.02
+    min_acceptance_rate: Fraction | None = None
+    min_samples: Annotated[int, Field(ge=1, le=10_000_000)] = 200
+
+
+class PolicyDocument(_Strict):
+    api_version: Literal["specgate/v1"] = Field(alias="apiVersion")
+    name: Identifier
+    description: str | None = None
+    engines: Annotated[dict[Identifier, Engine], Field(min_length=1, max_length=64)]
+    plain_engine: Identifier | None = None
+    rules: Annotated[list[Rule], Field(max_length=1000)] = []
+    default: Then
+    exploration: Exploration = Exploration()
+    guardrails: Guardrails = Guardrails()
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    @property
+    def resolved_plain_engine(self) -> str:
+        """The engine for fallback, kill switch and explored speculative decisions.
+
+        Validation guarantees it exists: either named, or the only plain engine.
+        """
+        if self.plain_engine is not None:
+            return self.plain_engine
+        return next(n for n, e in self.engines.items() if isinstance(e, PlainEngine))

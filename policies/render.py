@@ -1,0 +1,184 @@
+"""Engine configuration rendered from a policy: vLLM and TensorRT-LLM.
+
+The sidecar decides per request; the engine can additionally be told to stop
+drafting when its own running batch grows past what the policy allows
+(vLLM ``num_speculative_tokens_per_batch_size``, TensorRT-LLM
+``draft_len_schedule``). That is a second line of defence: the sidecar sees
+the batch at admission, the engine sees it at every step.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from policies.model import (
+    DraftModelEngine,
+    EagleEngine,
+    MtpEngine,
+    NgramEngine,
+    PlainEngine,
+    PolicyDocument,
+    engine_k,
+)
+
+# vLLM's default max_num_seqs; the schedule must cover every batch size the engine can run.
+DEFAULT_MAX_NUM_SEQS = 256
+
+ScheduleEntry = tuple[int, int, int]
+
+
+class RenderError(ValueError):
+    pass
+
+
+def _engine(doc: PolicyDocument, name: str) -> Any:
+    try:
+        return doc.engines[name]
+    except KeyError:
+        raise RenderError(f"engine '{name}' is not defined in policy '{doc.name}' "
+                          f"(defined: {', '.join(sorted(doc.engines))})") from None
+
+
+def batch_size_schedule(doc: PolicyDocument, engine_name: str,
+                        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> list[ScheduleEntry]:
+    """``[[lo, hi, K], ...]`` covering 1..max_num_seqs for one engine variant.
+
+    K at batch size b is the largest draft length any decision that sends
+    requests to this engine uses at b (rules, default and exploration), and 0
+    where no decision would send a request here at that batch size. Predicates
+    other than batch size are ignored: the schedule is engine-wide, so it must
+    allow whatever any route may need.
+    """
+    engine = _engine(doc, engine_name)
+    if isinstance(engine, PlainEngine):
+        raise RenderError(f"engine '{engine_name}' has method none; it has no draft schedule")
+    if max_num_seqs < 1:
+        raise RenderError("max_num_seqs must be at least 1")
+    full_k = engine_k(engine)
+    k_at = [0] * (max_num_seqs + 1)
+
+    def allow(lo: int, hi: int, k: int) -> None:
+        for b in range(max(lo, 1), min(hi, max_num_seqs) + 1):
+            k_at[b] = max(k_at[b], k)
+
+    for rule in doc.rules:
+        if rule.then.engine == engine_name:
+            r = rule.when.batch_size
+            lo = r.min if r is not None and r.min is not None else 1
+            hi = r.max if r is not None and r.max is not None else max_num_seqs
+            allow(lo, hi, rule.then.num_speculative_tokens or full_k)
+    if doc.default.engine == engine_name:
+        allow(1, max_num_seqs, doc.default.num_speculative_tokens or full_k)
+    if doc.exploration.rate > 0 and doc.exploration.speculative_engine == engine_name:
+        allow(1, max_num_seqs, full_k)  # explored requests may arrive at any batch size
+
+    schedule: list[ScheduleEntry] = []
+    for b in range(1, max_num_seqs + 1):
+        if schedule and schedule[-1][2] == k_at[b] and schedule[-1][1] == b - 1:
+            lo, _, k = schedule[-1]
+            schedule[-1] = (lo, b, k)
+        else:
+            schedule.append((b, b, k_at[b]))
+    return schedule
+
+
+def vllm_speculative_config(doc: PolicyDocument, engine_name: str, *,
+                            schedule: list[ScheduleEntry] | None = None) -> dict[str, Any] | None:
+    """The ``--speculative-config`` object, or None for a plain engine."""
+    engine = _engine(doc, engine_name)
+    config: dict[str, Any]
+    if isinstance(engine, PlainEngine):
+        return None
+    if isinstance(engine, NgramEngine):
+        config = {"method": "ngram", "num_speculative_tokens": engine.num_speculative_tokens}
+        if engine.prompt_lookup_max is not None:
+            config["prompt_lookup_max"] = engine.prompt_lookup_max
+        if engine.prompt_lookup_min is not None:
+            config["prompt_lookup_min"] = engine.prompt_lookup_min
+    elif isinstance(engine, DraftModelEngine):
+        config = {"method": "draft_model", "model": engine.model,
+                  "num_speculative_tokens": engine.num_speculative_tokens}
+        if engine.draft_tensor_parallel_size is not None:
+            config["draft_tensor_parallel_size"] = engine.draft_tensor_parallel_size
+    elif isinstance(engine, EagleEngine):
+        config = {"method": engine.method, "model": engine.model,
+                  "num_speculative_tokens": engine.num_speculative_tokens}
+    elif isinstance(engine, MtpEngine):
+        config = {"method": "mtp", "num_speculative_tokens": engine.num_speculative_tokens}
+    else:  # pragma: no cover - the model's union is closed
+        raise RenderError(f"cannot render engine method {engine.method!r}")
+    if schedule is not None:
+        config["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
+    return config
+
+
+def vllm_serve_args(doc: PolicyDocument, engine_name: str, *,
+                    schedule: list[ScheduleEntry] | None = None) -> list[str]:
+    """Arguments to add to ``vllm serve`` for this engine variant.
+
+    Per-request metrics are what the sidecar records acceptance from. A plain
+    engine gets only ``--enable-per-request-metrics``: vLLM refuses
+    ``--per-request-spec-decode-metrics`` without speculation.
+    """
+    config = vllm_speculative_config(doc, engine_name, schedule=schedule)
+    if config is None:
+        return ["--enable-per-request-metrics"]
+    return [
+        "--speculative-config", json.dumps(config, separators=(",", ":"), sort_keys=True),
+        "--per-request-spec-decode-metrics", "summary",
+        "--enable-per-request-metrics",
+    ]
+
+
+_TRT_DECODING_TYPES = {
+    "ngram": "NGram", "draft_model": "DraftTarget", "eagle": "Eagle", "eagle3": "Eagle3", "mtp": "MTP",
+}
+
+
+def trtllm_speculative_config(doc: PolicyDocument, engine_name: str, *,
+                              schedule: list[ScheduleEntry] | None = None) -> dict[str, Any] | None:
+    """TensorRT-LLM's ``speculative_config`` for ``trtllm-serve``, or None for plain."""
+    engine = _engine(doc, engine_name)
+    if isinstance(engine, PlainEngine):
+        return None
+    config: dict[str, Any] = {
+        "decoding_type": _TRT_DECODING_TYPES[engine.method],
+        "max_draft_len": engine.num_speculative_tokens,
+    }
+    if isinstance(engine, (DraftModelEngine, EagleEngine)):
+        config["speculative_model"] = engine.model
+    if isinstance(engine, NgramEngine) and engine.prompt_lookup_max is not None:
+        config["max_matching_ngram_size"] = engine.prompt_lookup_max
+    if schedule is not None:
+        config["draft_len_schedule"] = trtllm_draft_len_schedule(schedule)
+    return config
+
+
+def trtllm_draft_len_schedule(schedule: list[ScheduleEntry]) -> dict[int, int]:
+    """vLLM-style ranges -> TensorRT-LLM's ``{upper batch bound: draft length}``.
+
+    TensorRT-LLM reads each key as the upper bound of a band starting after
+    the previous key, and drafts nothing above the largest key, so the trailing
+    K=0 band is implied rather than written.
+    """
+    entries = list(schedule)
+    while entries and entries[-1][2] == 0:
+        entries.pop()
+    if not entries:
+        # Never drafting must be said explicitly: TensorRT-LLM ignores an empty schedule.
+        return {1: 0}
+    if entries[0][0] != 1:
+        raise RenderError("a draft length schedule must start at batch size 1")
+    return {hi: k for _, hi, k in entries}
+
+
+def trtllm_extra_options_yaml(doc: PolicyDocument, engine_name: str, *,
+                              schedule: list[ScheduleEntry] | None = None) -> str:
+    """The ``--extra_llm_api_options`` YAML file for ``trtllm-serve``."""
+    config = trtllm_speculative_config(doc, engine_name, schedule=schedule)
+    if config is None:
+        return "{}\n"
+    return yaml.safe_dump({"speculative_config": config}, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,120 @@
+"""What a decision sees (the request shape) and what it returns (the Decision)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from policies.errors import FieldError, RequestShapeError
+
+_EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(slots=True)
+class RequestShape:
+    """The facts about one request that rules may test.
+
+    ``batch_size`` counts the requests in flight on the worker when this one is
+    admitted, this one included. ``max_tokens`` is None when the client did not
+    set it; a range predicate on an unknown value does not match.
+    """
+
+    route: str = "default"
+    model: str = ""
+    batch_size: int = 1
+    structured_output: bool = False
+    tools: bool = False
+    stream: bool = False
+    max_tokens: int | None = None
+    prompt_tokens: int = 0
+    labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY_LABELS)
+    request_id: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RequestShape:
+        """Build a shape from JSON-like data, naming every bad field."""
+        if not isinstance(data, Mapping):
+            raise RequestShapeError([FieldError("", "wrong_type", "a request shape is a mapping")])
+        errors: list[FieldError] = []
+        known = {f for f in cls.__dataclass_fields__}
+        for key in data:
+            if key not in known:
+                errors.append(FieldError(str(key), "unknown_field", f"unknown field '{key}'"))
+
+        def want(name: str, kinds: tuple[type, ...], label: str, optional: bool = False) -> None:
+            if name not in data:
+                return
+            value = data[name]
+            if value is None and optional:
+                return
+            if isinstance(value, bool) and bool not in kinds:
+                errors.append(FieldError(name, "wrong_type", f"expected {label}, got a boolean"))
+            elif not isinstance(value, kinds):
+                errors.append(FieldError(name, "wrong_type", f"expected {label}, got {type(value).__name__}"))
+            elif isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                errors.append(FieldError(name, "out_of_range", f"{value} is negative"))
+
+        want("route", (str,), "a string")
+        want("model", (str,), "a string")
+        want("batch_size", (int,), "an integer")
+        want("structured_output", (bool,), "true or false")
+        want("tools", (bool,), "true or false")
+        want("stream", (bool,), "true or false")
+        want("max_tokens", (int,), "an integer", optional=True)
+        want("prompt_tokens", (int,), "an integer")
+        want("request_id", (str,), "a string", optional=True)
+        labels = data.get("labels", {})
+        if not isinstance(labels, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            errors.append(FieldError("labels", "wrong_type", "expected a mapping of strings to strings"))
+        if errors:
+            raise RequestShapeError(errors)
+        values = {k: v for k, v in data.items() if k != "labels"}
+        return cls(labels=MappingProxyType(dict(labels)), **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "route": self.route, "model": self.model, "batch_size": self.batch_size,
+            "structured_output": self.structured_output, "tools": self.tools, "stream": self.stream,
+            "max_tokens": self.max_tokens, "prompt_tokens": self.prompt_tokens,
+            "labels": dict(self.labels), "request_id": self.request_id,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    engine: str
+    speculate: bool
+    num_speculative_tokens: int
+    rule: str
+    policy: str
+    revision: str
+    explored: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine, "speculate": self.speculate,
+            "num_speculative_tokens": self.num_speculative_tokens, "rule": self.rule,
+            "policy": self.policy, "revision": self.revision, "explored": self.explored,
+        }
+
+    def to_header(self) -> str:
+        """The value of the sidecar's ``X-Specgate-Decision`` response header."""
+        return (f"engine={self.engine}; rule={self.rule}; policy={self.policy}; "
+                f"revision={self.revision}; explored={'true' if self.explored else 'false'}")
+
+
+def sticky_fraction(key: str, salt: str) -> float:
+    """A uniform number in [0, 1) fixed by (salt, key).
+
+    The sidecar and control plane both bucket requests with this (exploration
+    holdouts, traffic-percentage rollouts), so it is part of the wire contract:
+    the first 8 bytes, big-endian, of BLAKE2b-64 over ``salt + "\\x00" + key``
+    (UTF-8), divided by 2**64. Different salts give independent splits.
+    """
+    digest = hashlib.blake2b(f"{salt}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 18446744073709551616.0
