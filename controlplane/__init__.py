@@ -1,0 +1,1 @@
+"""specgate controlplane (built in a later issue)."""

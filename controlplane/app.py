@@ -1,0 +1,146 @@
+"""The control plane's FastAPI application."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controlplane.audit.endpoints import router as audit_router
+from controlplane.auth.endpoints import router as keys_router
+from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+from controlplane.distribution.endpoints import router as distribution_router
+from controlplane.distribution.hub import ChangeHub
+from controlplane.distribution.listener import listen_for_changes
+from controlplane.errors import PayloadTooLarge, install_error_handlers
+from controlplane.health.endpoints import router as health_router
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.models import FleetState
+from controlplane.policy.endpoints import router as policy_router
+from controlplane.rollout.endpoints import router as rollout_router
+from controlplane.settings import ControlPlaneSettings
+from controlplane.worker.endpoints import router as worker_router
+from policies import SigningKey
+
+log = logging.getLogger("specgate.controlplane")
+
+
+class BodySizeLimit:
+    """Refuses bodies over the limit before they are read into memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._refuse(scope, send)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        import json
+
+        problem = PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes").to_problem(scope.get("path"))
+        body = json.dumps(problem).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/problem+json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _load_signing_key(app: FastAPI, settings: ControlPlaneSettings) -> SigningKey:
+    if settings.signing_key:
+        return SigningKey.from_b64(settings.signing_key)
+    with unit_of_work(app.state.sessions) as session:
+        state = session.get(FleetState, 1, with_for_update=True)
+        if state is None:
+            raise RuntimeError("the database has no fleet_state row: run the migrations first")
+        if state.signing_key:
+            return SigningKey.from_b64(state.signing_key)
+        # Embedded default: generate once and keep it, so restarts keep the key.
+        key = SigningKey.generate()
+        state.signing_key = key.private_key_b64()
+        log.warning("no SPECGATE_SIGNING_KEY set: generated a signing key and stored it in the database")
+        return key
+
+
+def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
+    settings = settings or ControlPlaneSettings()
+    engine = make_engine(settings.database_url)
+    hub = ChangeHub()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        hub.bind(asyncio.get_running_loop())
+        app.state.signing_key = _load_signing_key(app, settings)
+        listener: asyncio.Task[None] | None = None
+        if engine.dialect.name == "postgresql":
+            listener = asyncio.create_task(listen_for_changes(settings.database_url, hub))
+        try:
+            yield
+        finally:
+            if listener is not None:
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
+            engine.dispose()
+
+    app = FastAPI(
+        title="specgate control plane",
+        version="0.1.0",
+        description="Policies, revisions, rollouts, workers and bundle distribution for per-request "
+        "speculative decoding decisions. Errors are RFC 9457 problem+json.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessions = make_sessionmaker(engine)
+    app.state.hub = hub
+    app.state.metrics = ControlPlaneMetrics(hub)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def _measure(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        start = time.perf_counter()
+        response = await call_next(request)
+        route: Any = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics = app.state.metrics
+        metrics.requests.labels(request.method, path, str(response.status_code)).inc()
+        metrics.latency.labels(request.method, path).observe(time.perf_counter() - start)
+        return response
+
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    for router in (health_router, keys_router, audit_router, policy_router, rollout_router,
+                   worker_router, distribution_router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class AuditEventRead(BaseModel):
+    id: int
+    at: dt.datetime
+    actor: str
+    action: str
+    target_type: str
+    target_id: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    reason: str
+
+
+class AuditPage(BaseModel):
+    items: list[AuditEventRead]
+    next_cursor: int | None

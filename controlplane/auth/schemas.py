@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Scope(StrEnum):
+    admin = "admin"
+    operator = "operator"
+    worker = "worker"
+    viewer = "viewer"
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, description="who or what uses the key")
+    scope: Scope
+
+
+class KeyRead(BaseModel):
+    id: str
+    name: str
+    prefix: str
+    scope: Scope
+    created_by: str
+    created_at: dt.datetime
+    last_used_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+
+
+class KeyCreated(KeyRead):
+    token: str = Field(description="the secret; shown only in this response")

@@ -1,0 +1,138 @@
+"""Bundle distribution: plain GET, long-poll and SSE. Workers' hot path.
+
+Long-polls and streams wait on the in-process ChangeHub without holding a
+database connection; every database read runs in the threadpool, batched by
+the Recomputer, so a thousand waiting workers cost a thousand parked
+coroutines and, per change, one read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from controlplane.auth.dependencies import ADMIN, WORKER, require
+from controlplane.auth.service import Principal
+from controlplane.distribution.recompute import recomputer_of
+from controlplane.distribution.schemas import BundleEnvelope, PublicKeyRead
+from controlplane.distribution.service import Bundle, cached_body, etags_in, signed_body
+from controlplane.errors import SpecgateError, ValidationFailed
+from controlplane.worker.schemas import WORKER_ID_PATTERN
+
+router = APIRouter(prefix="/v1/bundle", tags=["distribution"])
+
+# Admins may read any worker's bundle too, to debug what a worker is served.
+BundleReader = Annotated[Principal, Depends(require(*WORKER, *ADMIN))]
+WorkerCaller = Annotated[Principal, Depends(require(*WORKER))]
+
+# How often an idle SSE stream looks for a vanished client between keepalives.
+_DISCONNECT_CHECK_S = 1.0
+
+
+def _worker_query() -> Any:
+    return Query(min_length=1, max_length=128, pattern=WORKER_ID_PATTERN, description="the worker's id")
+
+
+async def _current(request: Request, worker_id: str) -> Bundle:
+    return await recomputer_of(request.app.state).bundle(worker_id)
+
+
+def _cache_headers(etag: str) -> dict[str, str]:
+    # no-cache: intermediaries may store the bundle but must revalidate, since it changes any time.
+    return {"ETag": f'"{etag}"', "Cache-Control": "no-cache"}
+
+
+@router.get("", response_model=BundleEnvelope,
+            responses={304: {"description": "If-None-Match is the current ETag (after `wait`, if given)"},
+                       404: {"description": "worker-not-found, or no-policy for the worker"}})
+async def bundle(request: Request, _: BundleReader,
+                 worker: str = _worker_query(),
+                 wait: float | None = Query(None, gt=0, allow_inf_nan=False,
+                                            description="seconds to hold the request while If-None-Match is "
+                                            "current (at most SPECGATE_LONG_POLL_MAX_S)"),
+                 if_none_match: str | None = Header(None, max_length=4096)) -> Response:
+    longest = request.app.state.settings.long_poll_max_s
+    if wait is not None and wait > longest:
+        raise ValidationFailed("1 field did not validate", errors=[{
+            "path": "wait", "in": "query", "code": "less_than_equal",
+            "message": f"Input should be less than or equal to {longest:g}"}])
+    hub = request.app.state.hub
+    known = etags_in(if_none_match)
+    # Read the generation before computing: a change committed meanwhile makes us recompute
+    # instead of sleeping through it.
+    seen = hub.generation
+    current = await _current(request, worker)
+    if wait is not None and current.etag in known:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while current.etag in known:
+            if hub.generation == seen:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await hub.wait(remaining):
+                    break
+            seen = hub.generation
+            current = await _current(request, worker)
+    if current.etag in known:
+        return Response(status_code=304, headers=_cache_headers(current.etag))
+    key = request.app.state.signing_key
+    body = cached_body(key, current) or await run_in_threadpool(signed_body, key, current)
+    return Response(body, media_type="application/json", headers=_cache_headers(current.etag))
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@router.get("/events", response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "`event: bundle` with `data: {\"etag\": ...}` at once and on "
+                             "every change; `: keepalive` comments while idle"}})
+async def events(request: Request, _: WorkerCaller, worker: str = _worker_query()) -> StreamingResponse:
+    hub = request.app.state.hub
+    keepalive = request.app.state.settings.sse_keepalive_s
+    seen = hub.generation
+    # Computed before the stream starts, so an unknown worker or no-policy is a plain 404 problem.
+    first = await _current(request, worker)
+
+    async def stream() -> AsyncIterator[str]:
+        nonlocal seen
+        loop = asyncio.get_running_loop()
+        etag = first.etag
+        yield _sse("bundle", {"etag": etag})
+        last_write = loop.time()
+        while not await request.is_disconnected():
+            if hub.generation != seen:
+                seen = hub.generation
+                try:
+                    current = await _current(request, worker)
+                except SpecgateError as exc:
+                    # The worker lost its policy (or its registration): say why and end; the
+                    # sidecar's reconnect then gets the problem as a plain response.
+                    yield _sse("error", exc.to_problem(request.url.path))
+                    return
+                if current.etag != etag:
+                    etag = current.etag
+                    yield _sse("bundle", {"etag": etag})
+                    last_write = loop.time()
+                continue
+            idle = loop.time() - last_write
+            if idle >= keepalive:
+                yield ": keepalive\n\n"
+                last_write = loop.time()
+                continue
+            await hub.wait(min(keepalive - idle, _DISCONNECT_CHECK_S))
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/public-key", response_model=PublicKeyRead)
+def public_key(request: Request) -> PublicKeyRead:
+    key = request.app.state.signing_key
+    return PublicKeyRead(public_key=key.public_key_b64, key_id=key.key_id)

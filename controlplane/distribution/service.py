@@ -1,0 +1,306 @@
+"""Which bundle each worker should run now, and the signed bytes it downloads.
+
+A bundle depends on the worker (pool, labels, id) and on rows every change
+announces by bumping ``fleet_state.generation``: policies, their active
+revisions, live rollouts and the kill switch. Revisions are content-addressed,
+so a revision validated once is cached by id for good; a payload is cached by
+what it is made of, and a signed envelope by (key, ETag). A herd of long-polls
+woken by one change therefore only reads a few small rows each and reuses the
+documents, payloads and signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from sqlalchemy.orm import Session
+
+from controlplane.distribution.repository import DistributionRepository
+from controlplane.errors import NotFound, SpecgateError
+from controlplane.rollout.service import canary_salt, worker_in_canary
+from policies import (
+    BundlePayload,
+    Canary,
+    PolicyValidationError,
+    Revision,
+    SigningKey,
+    validate_data,
+)
+
+log = logging.getLogger("specgate.controlplane.distribution")
+
+# A paused rollout keeps its current step's split; every other state stops splitting.
+LIVE_ROLLOUT_STATES = ("running", "paused")
+
+
+class NoPolicy(NotFound):
+    type_slug, title = "no-policy", "No policy applies to this worker"
+
+
+class RevisionCorrupt(SpecgateError):
+    # Not the client's fault: a stored revision no longer validates or hashes to its id.
+    status, type_slug, title = 500, "revision-corrupt", "A stored revision is corrupt"
+
+
+class WorkerLike(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def labels(self) -> Mapping[str, Any]: ...
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _LRU(Generic[K, V]):
+    """A small thread-safe LRU: request threads of the threadpool share it."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._data: OrderedDict[K, V] = OrderedDict()
+        self._maxsize = maxsize
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> V:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self._maxsize:
+                self._data.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    payload: BundlePayload
+    etag: str
+
+
+# (policy revision, canary revision, traffic percent, salt, kill switch): everything a payload is made of.
+_BundleKey = tuple[str, str | None, float | None, str | None, bool]
+
+_revisions: _LRU[str, Revision] = _LRU(1024)
+_bundles: _LRU[_BundleKey, Bundle] = _LRU(4096)
+_envelopes: _LRU[tuple[str, str], bytes] = _LRU(512)
+
+
+def clear_caches() -> None:
+    _revisions.clear()
+    _bundles.clear()
+    _envelopes.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutPlan:
+    id: str
+    mode: str
+    to_revision: Revision
+    percent: float
+    target_pool: str | None
+    target_labels: Mapping[str, Any]
+
+    def targets(self, worker: WorkerLike) -> bool:
+        if self.target_pool is not None and worker.pool != self.target_pool:
+            return False
+        labels = worker.labels or {}
+        return all(labels.get(key) == value for key, value in self.target_labels.items())
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyPlan:
+    policy_id: str
+    name: str
+    pool: str | None
+    active: Revision | None
+    rollout: RolloutPlan | None
+    # Set when a revision this policy's workers need is corrupt: their bundles fail, no one else's.
+    problem: RevisionCorrupt | None = None
+
+
+class DistributionView:
+    """One read of everything bundles depend on, apart from the worker itself."""
+
+    def __init__(self, plans: Iterable[PolicyPlan], *, kill_switch: bool, generation: int) -> None:
+        self.kill_switch = kill_switch
+        self.generation = generation
+        self._by_pool: dict[str, PolicyPlan] = {}
+        self._poolless: PolicyPlan | None = None
+        for plan in plans:
+            if plan.pool is None:
+                # At most one pool-less policy is allowed; should two exist, the first by name wins.
+                self._poolless = self._poolless or plan
+            else:
+                self._by_pool.setdefault(plan.pool, plan)
+
+    def plan_for(self, worker: WorkerLike) -> PolicyPlan | None:
+        return self._by_pool.get(worker.pool) or self._poolless
+
+    def bundle(self, worker: WorkerLike) -> Bundle:
+        plan = self.plan_for(worker)
+        if plan is None:
+            raise NoPolicy(f"no policy for pool {worker.pool!r} and no pool-less policy")
+        if plan.problem is not None:
+            # A fresh exception each time: the view is shared by threads, a raised instance is not.
+            raise RevisionCorrupt(plan.problem.detail, **plan.problem.extra)
+        if plan.active is None:
+            raise NoPolicy(f"policy {plan.name!r} for worker {worker.id!r} has no active revision yet")
+        policy, canary = plan.active, None
+        rollout = plan.rollout
+        if rollout is not None and rollout.targets(worker):
+            # The cohort rules belong to rollouts (controlplane.rollout.service); bundles apply them.
+            if rollout.mode == "workers":
+                if worker_in_canary(worker.id, rollout.id, rollout.percent):
+                    policy = rollout.to_revision
+            elif rollout.mode == "traffic":
+                canary = Canary(rollout.to_revision, rollout.percent, canary_salt(rollout.id))
+        return _bundle_of(policy, canary, self.kill_switch)
+
+    def expected_etag(self, worker: WorkerLike) -> str | None:
+        """None when nothing can be served: fleet views and heartbeats still work, only the bundle fails."""
+        try:
+            return self.bundle(worker).etag
+        except (NoPolicy, RevisionCorrupt):
+            return None
+
+
+def _bundle_of(policy: Revision, canary: Canary | None, kill_switch: bool) -> Bundle:
+    key: _BundleKey = (policy.id, canary.revision.id if canary else None,
+                       canary.traffic_percent if canary else None, canary.salt if canary else None,
+                       kill_switch)
+    cached = _bundles.get(key)
+    if cached is not None:
+        return cached
+    payload = BundlePayload(policy, canary, kill_switch)
+    return _bundles.put(key, Bundle(payload, payload.etag))
+
+
+def _revisions_by_id(repo: DistributionRepository,
+                     ids: Collection[str]) -> dict[str, Revision | RevisionCorrupt]:
+    """Validated revisions; a corrupt one comes back as its error, so it only fails its own workers."""
+    found: dict[str, Revision | RevisionCorrupt] = {}
+    missing: list[str] = []
+    for rid in ids:
+        cached = _revisions.get(rid)
+        if cached is None:
+            missing.append(rid)
+        else:
+            found[rid] = cached
+    for rid, document in repo.revision_documents(missing).items():
+        try:
+            revision = Revision.of(validate_data(document))
+        except PolicyValidationError as exc:
+            log.error("stored revision %s no longer validates: %s", rid, exc)
+            found[rid] = RevisionCorrupt(f"stored revision {rid} does not validate: {exc}", revision=rid)
+            continue
+        if revision.id != rid:
+            log.error("stored revision %s hashes to %s", rid, revision.id)
+            found[rid] = RevisionCorrupt(f"stored revision {rid} hashes to {revision.id}; refusing to serve it",
+                                         revision=rid)
+            continue
+        found[rid] = _revisions.put(rid, revision)
+    return found
+
+
+def load_view(session: Session, pools: Collection[str] | None = None) -> DistributionView:
+    """The view for workers of ``pools`` (every pool when None)."""
+    repo = DistributionRepository(session)
+    kill_switch, generation = repo.fleet_switches()
+    policies = repo.policies(pools)
+    rollouts: dict[str, tuple[Any, float | None]] = {}
+    for rollout, percent in repo.live_rollouts([p.id for p in policies], LIVE_ROLLOUT_STATES):
+        # At most one live rollout per policy is allowed; should two exist, the newest wins.
+        rollouts.setdefault(rollout.policy_id, (rollout, percent))
+    wanted = {p.active_revision_id for p in policies if p.active_revision_id}
+    wanted |= {r.to_revision_id for r, percent in rollouts.values() if percent is not None}
+    revisions = _revisions_by_id(repo, wanted)
+
+    plans = []
+    for policy in policies:
+        active = revisions.get(policy.active_revision_id) if policy.active_revision_id else None
+        problem = active if isinstance(active, RevisionCorrupt) else None
+        plan_rollout = None
+        if policy.id in rollouts:
+            rollout, percent = rollouts[policy.id]
+            to_revision = revisions.get(rollout.to_revision_id)
+            if isinstance(to_revision, RevisionCorrupt):
+                problem = problem or to_revision
+            elif percent is None or to_revision is None:
+                log.warning("rollout %s has no step at position %s; not splitting", rollout.id,
+                            rollout.current_step)
+            else:
+                plan_rollout = RolloutPlan(rollout.id, rollout.mode, to_revision, float(percent),
+                                           rollout.target_pool, dict(rollout.target_labels or {}))
+        plans.append(PolicyPlan(policy.id, policy.name, policy.pool,
+                                active if isinstance(active, Revision) else None, plan_rollout, problem))
+    return DistributionView(plans, kill_switch=kill_switch, generation=generation)
+
+
+def expected_bundles(session: Session,
+                     workers: Iterable[WorkerLike]) -> dict[str, Bundle | NoPolicy | RevisionCorrupt]:
+    """What /v1/bundle serves each of ``workers`` now (or why it cannot), from one read."""
+    workers = list(workers)
+    view = load_view(session, {w.pool for w in workers})
+    outcomes: dict[str, Bundle | NoPolicy | RevisionCorrupt] = {}
+    for worker in workers:
+        try:
+            outcomes[worker.id] = view.bundle(worker)
+        except (NoPolicy, RevisionCorrupt) as exc:
+            outcomes[worker.id] = exc
+    return outcomes
+
+
+def expected_bundle(session: Session, worker: WorkerLike) -> Bundle:
+    """What /v1/bundle serves ``worker`` now; NoPolicy when nothing applies to it."""
+    return load_view(session, [worker.pool]).bundle(worker)
+
+
+def bundle_for_worker(session: Session, worker: WorkerLike) -> BundlePayload:
+    return expected_bundle(session, worker).payload
+
+
+def cached_body(signing_key: SigningKey, bundle: Bundle) -> bytes | None:
+    """The signed envelope if it was made before: cheap enough for the event loop."""
+    return _envelopes.get((signing_key.key_id, bundle.etag))
+
+
+def signed_body(signing_key: SigningKey, bundle: Bundle) -> bytes:
+    """The JSON envelope bytes; Ed25519 signatures are deterministic, so caching them is exact."""
+    cached = cached_body(signing_key, bundle)
+    if cached is not None:
+        return cached
+    body = json.dumps(signing_key.sign(bundle.payload), ensure_ascii=False, separators=(",", ":")).encode()
+    return _envelopes.put((signing_key.key_id, bundle.etag), body)
+
+
+def normalize_etag(value: str) -> str:
+    """An entity tag as compared here: without W/ and quotes (sidecars may echo either form)."""
+    value = value.strip()
+    if value.startswith("W/"):
+        value = value[2:]
+    return value.strip('"')
+
+
+def etags_in(if_none_match: str | None) -> set[str]:
+    """The tags of an If-None-Match header, quoted or bare, one or a comma-separated list."""
+    if not if_none_match:
+        return set()
+    return {normalize_etag(part) for part in if_none_match.split(",") if part.strip()}

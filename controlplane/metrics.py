@@ -1,0 +1,41 @@
+"""Prometheus metrics of one control-plane process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controlplane.distribution.hub import ChangeHub
+
+
+class ControlPlaneMetrics:
+    def __init__(self, hub: ChangeHub) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("specgate_http_requests", "HTTP requests handled",
+                                ["method", "route", "status"], registry=self.registry)
+        self.latency = Histogram("specgate_http_request_duration_seconds", "HTTP request latency",
+                                 ["method", "route"], registry=self.registry,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.registry.register(_HubCollector(hub))
+        waiters = Gauge("specgate_long_poll_waiters", "long-polls and SSE streams waiting for a change",
+                        registry=self.registry)
+        waiters.set_function(lambda: hub.waiters)
+
+
+class _HubCollector(Collector):
+    """Reads the hub's own counters at scrape time, so nothing else has to remember to count."""
+
+    def __init__(self, hub: ChangeHub) -> None:
+        self.hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("specgate_bundle_publishes", "changes committed here that can alter a bundle",
+                                  value=self.hub.publishes)
+        yield CounterMetricFamily("specgate_bundle_change_notices",
+                                  "change notices received (local commits and other replicas)",
+                                  value=self.hub.notices)
+        yield GaugeMetricFamily("specgate_bundle_generation", "the distribution generation last seen",
+                                value=self.hub.generation)

@@ -1,0 +1,199 @@
+"""Tables of the control plane. Created by Alembic migrations only."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """Timestamps in UTC on both databases; SQLite has no time zones of its own."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dt.datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON(),
+    }
+
+
+class Policy(Base):
+    __tablename__ = "policies"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    description: Mapped[str | None] = mapped_column(Text)
+    # The pool whose workers run this policy; NULL = every pool without a policy of its own.
+    pool: Mapped[str | None] = mapped_column(String(128))
+    # No foreign key: policies and revisions would reference each other, and
+    # the service already guarantees the revision belongs to this policy.
+    active_revision_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(128))
+
+
+class Revision(Base):
+    __tablename__ = "revisions"
+    __table_args__ = (UniqueConstraint("policy_id", "seq", name="uq_revisions_policy_seq"),)
+
+    # sha256 of the canonical document: content-addressed and immutable.
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    policy_id: Mapped[str] = mapped_column(String(32), ForeignKey("policies.id", ondelete="CASCADE"), index=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[str | None] = mapped_column(String(64))
+    document: Mapped[dict[str, Any]] = mapped_column(JSON)
+    canonical_json: Mapped[str] = mapped_column(Text)
+    canonical_yaml: Mapped[str] = mapped_column(Text)
+    source_text: Mapped[str | None] = mapped_column(Text)
+    author: Mapped[str] = mapped_column(String(128))
+    message: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Rollout(Base):
+    __tablename__ = "rollouts"
+    __table_args__ = (Index("ix_rollouts_policy_state", "policy_id", "state"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    policy_id: Mapped[str] = mapped_column(String(32), ForeignKey("policies.id", ondelete="CASCADE"))
+    from_revision_id: Mapped[str] = mapped_column(String(64), ForeignKey("revisions.id"))
+    to_revision_id: Mapped[str] = mapped_column(String(64), ForeignKey("revisions.id"))
+    mode: Mapped[str] = mapped_column(String(16))  # workers | traffic
+    target_pool: Mapped[str | None] = mapped_column(String(128))
+    target_labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    state: Mapped[str] = mapped_column(String(16))
+    current_step: Mapped[int] = mapped_column(Integer, default=0)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class RolloutStep(Base):
+    __tablename__ = "rollout_steps"
+    __table_args__ = (UniqueConstraint("rollout_id", "position", name="uq_rollout_steps_position"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[str] = mapped_column(String(32), ForeignKey("rollouts.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)
+    percent: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[dt.datetime | None] = mapped_column()
+    finished_at: Mapped[dt.datetime | None] = mapped_column()
+    outcome: Mapped[str | None] = mapped_column(String(32))
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(128), index=True)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    engines: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    sidecar_version: Mapped[str | None] = mapped_column(String(64))
+    active_revision_id: Mapped[str | None] = mapped_column(String(64))
+    active_etag: Mapped[str | None] = mapped_column(String(64))
+    registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128))
+    # The first characters of the token, shown in listings so a person can tell keys apart.
+    prefix: Mapped[str] = mapped_column(String(16), index=True)
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    scope: Mapped[str] = mapped_column(String(16))
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[dt.datetime | None] = mapped_column()
+    revoked_at: Mapped[dt.datetime | None] = mapped_column()
+
+
+class AuditEvent(Base):
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_target", "target_type", "target_id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str] = mapped_column(String(128))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class FleetState(Base):
+    """One row: fleet-wide switches and the distribution generation.
+
+    ``generation`` is bumped in the same transaction as any change that can
+    alter a worker's bundle, so a long-poll can tell cheaply whether to
+    recompute, on any replica.
+    """
+
+    __tablename__ = "fleet_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kill_switch: Mapped[bool] = mapped_column(Boolean, default=False)
+    kill_switch_reason: Mapped[str] = mapped_column(Text, default="")
+    kill_switch_changed_at: Mapped[dt.datetime | None] = mapped_column()
+    kill_switch_changed_by: Mapped[str | None] = mapped_column(String(128))
+    generation: Mapped[int] = mapped_column(BigInteger, default=0)
+    signing_key: Mapped[str | None] = mapped_column(Text)

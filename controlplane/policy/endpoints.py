@@ -1,0 +1,332 @@
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from controlplane.auth.dependencies import ADMIN, READ, require
+from controlplane.auth.service import Principal
+from controlplane.db import unit_of_work
+from controlplane.errors import PROBLEM_MEDIA_TYPE, UnsupportedMediaType, ValidationFailed
+from controlplane.models import Policy, Revision
+from controlplane.policy import service
+from controlplane.policy.schemas import (
+    SEED_EXAMPLE,
+    ChangeSummaryRead,
+    DecisionRead,
+    DiffRead,
+    EvaluateRequest,
+    Evaluation,
+    PolicyCreate,
+    PolicyRead,
+    RevisionCreate,
+    RevisionPage,
+    RevisionRead,
+    RevisionRef,
+    RevisionSummary,
+    ShapeRead,
+)
+
+router = APIRouter(prefix="/v1", tags=["policies"])
+
+YAML_TYPES = ("application/yaml", "text/yaml", "application/x-yaml")
+JSON_TYPE = "application/json"
+_NO_NUL = r"^[^\x00]*$"
+# Losing to a rival more often than this (SQLite only: PostgreSQL orders
+# submissions with a row lock) answers 409 rather than holding the request.
+_RACE_ATTEMPTS = 3
+
+Admin = Annotated[Principal, Depends(require(*ADMIN))]
+Reader = Annotated[Principal, Depends(require(*READ))]
+
+
+def _problem(description: str, example: dict[str, Any] | None = None) -> dict[str, Any]:
+    content: dict[str, Any] = {"schema": {"type": "object", "properties": {
+        "type": {"type": "string"}, "title": {"type": "string"}, "status": {"type": "integer"},
+        "detail": {"type": "string"}, "errors": {"type": "array", "items": {"type": "object"}}}}}
+    if example is not None:
+        content["example"] = example
+    return {"description": description, "content": {PROBLEM_MEDIA_TYPE: content}}
+
+
+_AUTH: dict[int | str, dict[str, Any]] = {
+    401: _problem("missing or unknown API key"),
+    403: _problem("the key's scope does not allow this"),
+}
+_NOT_FOUND = _problem("no such policy or revision")
+
+
+def _media_type(header: str | None) -> tuple[str, dict[str, str]]:
+    if not header:
+        return "", {}
+    media, *params = header.split(";")
+    parsed = {}
+    for param in params:
+        key, _, value = param.partition("=")
+        parsed[key.strip().lower()] = value.strip().strip('"').lower()
+    return media.strip().lower(), parsed
+
+
+def _unsupported(got: str, accepted: tuple[str, ...]) -> UnsupportedMediaType:
+    message = f"Content-Type {got or '(none)'!r} is not accepted; send one of: {', '.join(accepted)}"
+    return UnsupportedMediaType(message, errors=[{"path": "Content-Type", "in": "header",
+                                                  "code": "unsupported_media_type", "message": message}])
+
+
+def _json_content(request: Request) -> None:
+    # FastAPI would hand a non-JSON body to the model as bytes and report a
+    # confusing type error; the media type is the actual mistake.
+    media, _ = _media_type(request.headers.get("content-type"))
+    if media != JSON_TYPE:
+        raise _unsupported(media, (JSON_TYPE,))
+
+
+async def _raw_body(request: Request) -> bytes:
+    # Async so the sync endpoint below can have the body it cannot await.
+    return await request.body()
+
+
+def _policy_read(view: service.PolicyView) -> PolicyRead:
+    p = view.policy
+    return PolicyRead(id=p.id, name=p.name, description=p.description, pool=p.pool,
+                      active_revision_id=p.active_revision_id, head_revision_id=view.head_revision_id,
+                      revision_count=view.revision_count, created_at=p.created_at, created_by=p.created_by)
+
+
+def _revision_summary(revision: Revision, policy: Policy) -> RevisionSummary:
+    return RevisionSummary(id=revision.id, seq=revision.seq, parent_id=revision.parent_id,
+                           author=revision.author, message=revision.message, created_at=revision.created_at,
+                           active=policy.active_revision_id == revision.id)
+
+
+def _revision_read(revision: Revision, policy: Policy) -> RevisionRead:
+    return RevisionRead(**_revision_summary(revision, policy).model_dump(), policy=policy.name,
+                        document=revision.document, canonical_yaml=revision.canonical_yaml,
+                        source_text=revision.source_text)
+
+
+# --- policies ----------------------------------------------------------------------------
+
+@router.post("/policies", status_code=201, response_model=PolicyRead, summary="Create a policy",
+             responses={**_AUTH, 409: _problem("the name is taken, or another policy serves that pool"),
+                        415: _problem("the body is not application/json")})
+def create_policy(body: PolicyCreate, request: Request, response: Response,
+                  who: Admin, _json: Annotated[None, Depends(_json_content)]) -> PolicyRead:
+    """A policy starts without revisions; its first revision becomes active at once."""
+    with unit_of_work(request.app.state.sessions) as session:
+        policy, generation = service.create_policy(session, name=body.name, description=body.description,
+                                                   pool=body.pool, actor=who.actor)
+        read = _policy_read(service.PolicyView(policy, None, 0))
+    request.app.state.hub.publish(generation)
+    response.headers["Location"] = f"/v1/policies/{policy.name}"
+    return read
+
+
+@router.get("/policies", response_model=list[PolicyRead], summary="List policies",
+            responses={**_AUTH})
+def list_policies(request: Request, _: Reader) -> list[PolicyRead]:
+    with unit_of_work(request.app.state.sessions) as session:
+        return [_policy_read(v) for v in service.list_policies(session)]
+
+
+@router.get("/policies/{name}", response_model=PolicyRead, summary="Get a policy",
+            responses={**_AUTH, 404: _NOT_FOUND})
+def get_policy(name: str, request: Request, _: Reader) -> PolicyRead:
+    with unit_of_work(request.app.state.sessions) as session:
+        return _policy_read(service.get_policy(session, name))
+
+
+# --- revisions ---------------------------------------------------------------------------
+
+_REVISION_BODY = {
+    "required": True,
+    "description": "The document as YAML (or JSON) text with a YAML content type, or a JSON object "
+                   "{document, message}. Errors in text come back with line numbers.",
+    "content": {
+        "application/yaml": {"schema": {"type": "string"}, "example": SEED_EXAMPLE},
+        "text/yaml": {"schema": {"type": "string"}},
+        "application/x-yaml": {"schema": {"type": "string"}},
+        JSON_TYPE: {"schema": RevisionCreate.model_json_schema()},
+    },
+}
+
+
+def _header_text(value: str | None) -> str | None:
+    # HTTP headers arrive as latin-1; a UTF-8 message sent raw reads back right this way.
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
+def _submission(request: Request, body: bytes, message: str) -> service.Submission:
+    media, params = _media_type(request.headers.get("content-type"))
+    if media in YAML_TYPES:
+        charset = params.get("charset", "utf-8")
+        if charset not in ("utf-8", "utf8", "us-ascii"):
+            raise _unsupported(f"{media}; charset={charset}",
+                               tuple(f"{t}; charset=utf-8" for t in YAML_TYPES))
+        return service.Submission(text=body, message=message)
+    if media != JSON_TYPE:
+        raise _unsupported(media, (*YAML_TYPES, JSON_TYPE))
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ValidationFailed(f"the body is not valid JSON: {exc.msg}", errors=[{
+            "path": "body", "in": "body", "code": "invalid_json",
+            "message": f"{exc.msg} at line {exc.lineno}, column {exc.colno}",
+            "line": exc.lineno, "column": exc.colno}]) from None
+    except (ValueError, RecursionError):
+        raise ValidationFailed("the body is not valid JSON", errors=[{
+            "path": "body", "in": "body", "code": "invalid_json",
+            "message": "not UTF-8 JSON, or nested too deeply"}]) from None
+    try:
+        payload = RevisionCreate.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])}
+                                      for e in exc.errors(include_url=False)]) from None
+    if isinstance(payload.document, str):
+        return service.Submission(text=payload.document, message=payload.message or message)
+    return service.Submission(data=payload.document, message=payload.message or message)
+
+
+def _submit_once(request: Request, name: str, submission: service.Submission,
+                 if_match: service.IfMatch | None,
+                 actor: str) -> tuple[RevisionRead, service.RevisionOutcome]:
+    with unit_of_work(request.app.state.sessions) as session:
+        outcome = service.create_revision(session, policy_name=name, submission=submission,
+                                          if_match=if_match, actor=actor)
+        return _revision_read(outcome.revision, outcome.policy), outcome
+
+
+def _submit(request: Request, name: str, submission: service.Submission, if_match: service.IfMatch | None,
+            actor: str) -> tuple[RevisionRead, service.RevisionOutcome]:
+    for _ in range(_RACE_ATTEMPTS - 1):
+        try:
+            return _submit_once(request, name, submission, if_match, actor)
+        except service.RevisionRace:
+            # The rival has committed by now, so the next pass answers as if
+            # it had come second all along: unchanged, 412 against the new
+            # head, or (for If-Match: *) the next seq.
+            continue
+    return _submit_once(request, name, submission, if_match, actor)
+
+
+@router.post(
+    "/policies/{name}/revisions", status_code=201, response_model=RevisionRead,
+    summary="Add a revision (YAML or JSON)",
+    openapi_extra={"requestBody": _REVISION_BODY},
+    responses={
+        200: {"description": "an equal document is already a revision of this policy: nothing was created "
+                             "(header X-Specgate-Unchanged: true)", "model": RevisionRead},
+        201: {"description": "created; ETag is the revision id, Location its URL"},
+        **_AUTH, 404: _NOT_FOUND,
+        409: _problem("another revision was created at the same moment; retry against the new head"),
+        412: _problem("If-Match does not name the head revision", {
+            "type": "https://specgate.dev/problems/precondition-failed", "title": "Precondition failed",
+            "status": 412, "detail": "If-Match does not name the policy's head revision",
+            "current_head": "4f0c...e1"}),
+        415: _problem("unsupported Content-Type"),
+        422: _problem("the document is invalid: every error with its path, code, message and line", {
+            "type": "https://specgate.dev/problems/invalid-policy", "title": "The policy document is invalid",
+            "status": 422, "detail": "the document has 1 error",
+            "errors": [{"path": "rules[0].then.engine", "code": "undefined_engine",
+                        "message": "engine 'drfat' is not defined in engines (defined: base, draft); "
+                                   "did you mean 'draft'?", "line": 9, "column": 25}]}),
+        428: _problem("the policy has a head revision and If-Match is missing"),
+    },
+)
+def create_revision(
+    name: str, request: Request, response: Response, who: Admin,
+    body: Annotated[bytes, Depends(_raw_body)],
+    message: str | None = Query(None, max_length=4000, pattern=_NO_NUL,
+                                description="the revision message, for YAML bodies"),
+    x_specgate_message: str | None = Header(None, max_length=4000,
+                                            description="the revision message, if not in the query"),
+    if_match: str | None = Header(None, alias="If-Match",
+                                  description='"<head revision id>" (quoted or bare) or *; required once '
+                                              "the policy has a revision"),
+) -> RevisionRead:
+    """Adds an immutable revision. The first revision becomes active; later ones are drafts until a
+    rollout completes or a rollback names them."""
+    fallback_message = message if message is not None else (_header_text(x_specgate_message) or "")
+    submission = _submission(request, body, fallback_message)
+    condition = service.parse_if_match(if_match) if if_match is not None else None
+    read, outcome = _submit(request, name, submission, condition, who.actor)
+    if outcome.generation is not None:
+        request.app.state.hub.publish(outcome.generation)
+    response.headers["ETag"] = f'"{read.id}"'
+    response.headers["Location"] = f"/v1/revisions/{read.id}"
+    if not outcome.created:
+        response.status_code = 200
+        response.headers["X-Specgate-Unchanged"] = "true"
+    return read
+
+
+@router.get("/policies/{name}/revisions", response_model=RevisionPage, summary="List a policy's revisions",
+            responses={**_AUTH, 404: _NOT_FOUND})
+def list_revisions(name: str, request: Request, _: Reader,
+                   cursor: int | None = Query(None, ge=1, le=2**31 - 1,
+                                              description="next_cursor of the previous page"),
+                   limit: int = Query(50, ge=1, le=500)) -> RevisionPage:
+    """Newest first (by seq)."""
+    with unit_of_work(request.app.state.sessions) as session:
+        policy, rows, next_cursor = service.revision_page(session, name, before_seq=cursor, limit=limit)
+        return RevisionPage(items=[_revision_summary(r, policy) for r in rows], next_cursor=next_cursor)
+
+
+@router.get("/policies/{name}/diff", response_model=DiffRead, summary="Diff two revisions of a policy",
+            responses={**_AUTH, 404: _problem("no such policy, or from/to is not one of its revisions")})
+def diff(name: str, request: Request, _: Reader,
+         from_: str | None = Query(None, alias="from", description="revision id; default: the active one"),
+         to: str | None = Query(None, description="revision id; default: the head")) -> DiffRead:
+    """A unified diff of the canonical YAML, and which rules and engines changed."""
+    with unit_of_work(request.app.state.sessions) as session:
+        d = service.diff_revisions(session, name, from_id=from_, to_id=to)
+        s = d.summary
+        return DiffRead(
+            policy=d.policy.name,
+            from_revision=RevisionRef(id=d.before.id, seq=d.before.seq),
+            to_revision=RevisionRef(id=d.after.id, seq=d.after.seq),
+            identical=d.before.id == d.after.id, unified=d.unified,
+            summary=ChangeSummaryRead(
+                rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
+                rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
+                engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
+                engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)),
+        )
+
+
+@router.get("/revisions/{revision_id}", response_model=RevisionRead, summary="Get a revision",
+            responses={200: {"description": "the revision; ETag is its id"}, **_AUTH, 404: _NOT_FOUND})
+def get_revision(revision_id: str, request: Request, response: Response,
+                 _: Reader) -> RevisionRead:
+    with unit_of_work(request.app.state.sessions) as session:
+        revision, policy = service.get_revision(session, revision_id)
+        read = _revision_read(revision, policy)
+    response.headers["ETag"] = f'"{read.id}"'
+    return read
+
+
+@router.post("/revisions/{revision_id}/evaluate", response_model=list[Evaluation],
+             summary="Decide request shapes under a revision",
+             responses={**_AUTH, 404: _NOT_FOUND, 415: _problem("the body is not application/json"),
+                        422: _problem("a shape is malformed", {
+                            "type": "https://specgate.dev/problems/validation",
+                            "title": "The request did not validate", "status": 422,
+                            "detail": "1 problem in the request shapes",
+                            "errors": [{"path": "shapes[3].batch_size", "in": "body", "code": "wrong_type",
+                                        "message": "expected an integer, got str"}]})})
+def evaluate(revision_id: str, body: EvaluateRequest, request: Request,
+             _: Reader, _json: Annotated[None, Depends(_json_content)]) -> list[Evaluation]:
+    """What a worker running this revision would decide for each shape (ignoring the kill switch and
+    canaries). Up to 1000 shapes."""
+    with unit_of_work(request.app.state.sessions) as session:
+        results = service.evaluate(session, revision_id, body.shapes)
+    return [Evaluation(shape=ShapeRead(**shape.to_dict()), decision=DecisionRead(**decision.to_dict()))
+            for shape, decision in results]

@@ -1,0 +1,24 @@
+"""Settings of the control plane deployable (environment prefix ``SPECGATE_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ControlPlaneSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="ignore")
+
+    database_url: str = Field(
+        default="sqlite:///specgate.db",
+        description="SQLAlchemy URL; sqlite:///PATH (embedded) or postgresql+psycopg://... (production)",
+    )
+    signing_key: str | None = Field(
+        default=None,
+        description="Ed25519 private key, raw 32 bytes in base64, that signs bundles. "
+        "Without it, a key is generated and stored in the database on first start.",
+    )
+    worker_stale_after_s: float = Field(default=30.0, gt=0, description="heartbeat silence that marks a worker stale")
+    long_poll_max_s: float = Field(default=60.0, gt=0, le=600)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    sse_keepalive_s: float = Field(default=15.0, gt=0)

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from sqlalchemy.exc import IntegrityError
+
+from controlplane.auth.dependencies import READ, WORKER, require
+from controlplane.auth.service import Principal
+from controlplane.db import unit_of_work
+from controlplane.worker import service
+from controlplane.worker.schemas import (
+    NO_CONTROL,
+    WORKER_ID_PATTERN,
+    FleetRead,
+    HeartbeatAck,
+    WorkerHeartbeat,
+    WorkerPage,
+    WorkerRead,
+    WorkerRegister,
+)
+
+router = APIRouter(prefix="/v1", tags=["workers"])
+
+WorkerCaller = Annotated[Principal, Depends(require(*WORKER))]
+Reader = Annotated[Principal, Depends(require(*READ))]
+
+
+@router.post("/workers/register", response_model=WorkerRead,
+             responses={201: {"model": WorkerRead, "description": "registered for the first time"}})
+def register(body: WorkerRegister, request: Request, response: Response,
+             who: WorkerCaller) -> WorkerRead:
+    settings = request.app.state.settings
+    for attempt in (1, 2):
+        try:
+            with unit_of_work(request.app.state.sessions) as session:
+                registration = service.register(session, body, actor=who.actor)
+                read = service.describe_one(session, registration.worker, settings.worker_stale_after_s)
+            break
+        except IntegrityError:
+            # Two first registrations of one id raced and this one lost; the retry updates
+            # the winner's row instead.
+            if attempt == 2:
+                raise
+    if registration.generation is not None:
+        request.app.state.hub.publish(registration.generation)
+    response.status_code = 201 if registration.created else 200
+    return read
+
+
+@router.post("/workers/{worker_id}/heartbeat", response_model=HeartbeatAck)
+def heartbeat(request: Request, _: WorkerCaller,
+              worker_id: str = Path(max_length=128, pattern=WORKER_ID_PATTERN),
+              body: WorkerHeartbeat | None = None) -> HeartbeatAck:
+    with unit_of_work(request.app.state.sessions) as session:
+        return service.heartbeat(session, worker_id, body or WorkerHeartbeat())
+
+
+@router.get("/workers", response_model=WorkerPage)
+def list_workers(request: Request, _: Reader,
+                 pool: str | None = Query(None, max_length=128, pattern=NO_CONTROL),
+                 stale: bool | None = Query(None, description="only stale (true) or live (false) workers"),
+                 cursor: str | None = Query(None, max_length=128, pattern=NO_CONTROL,
+                                            description="next_cursor of the last page"),
+                 limit: int = Query(100, ge=1, le=1000)) -> WorkerPage:
+    with unit_of_work(request.app.state.sessions) as session:
+        return service.list_workers(session, pool=pool, stale=stale, cursor=cursor, limit=limit,
+                                    stale_after_s=request.app.state.settings.worker_stale_after_s)
+
+
+@router.get("/fleet", response_model=FleetRead)
+def fleet(request: Request, _: Reader) -> FleetRead:
+    with unit_of_work(request.app.state.sessions) as session:
+        return service.fleet(session, stale_after_s=request.app.state.settings.worker_stale_after_s)

@@ -1,0 +1,171 @@
+"""Workers: who runs which pool, what they report running, and whether the fleet converged."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from controlplane.audit.service import record
+from controlplane.distribution.publish import bump_generation
+from controlplane.distribution.service import DistributionView, load_view
+from controlplane.errors import NotFound
+from controlplane.models import Worker, utcnow
+from controlplane.worker.repository import WorkerRepository
+from controlplane.worker.schemas import (
+    FleetGroup,
+    FleetRead,
+    HeartbeatAck,
+    PoolFleet,
+    RevisionCount,
+    WorkerHeartbeat,
+    WorkerPage,
+    WorkerRead,
+    WorkerRegister,
+)
+
+
+class WorkerNotFound(NotFound):
+    type_slug, title = "worker-not-found", "Worker not registered"
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    worker: Worker
+    created: bool
+    # Set when the change can alter the worker's bundle: the endpoint announces it after commit.
+    generation: int | None
+
+
+def _registered(worker: Worker) -> dict[str, Any]:
+    return {"pool": worker.pool, "labels": dict(worker.labels or {}), "engines": dict(worker.engines or {})}
+
+
+def get_worker(session: Session, worker_id: str) -> Worker:
+    worker = WorkerRepository(session).get(worker_id)
+    if worker is None:
+        raise WorkerNotFound(f"worker {worker_id!r} is not registered; POST /v1/workers/register first",
+                             worker=worker_id)
+    return worker
+
+
+def get_workers(session: Session, worker_ids: Collection[str]) -> dict[str, Worker]:
+    """The registered ones among ``worker_ids``, by id."""
+    return {w.id: w for w in WorkerRepository(session).get_many(worker_ids)}
+
+
+def register(session: Session, body: WorkerRegister, *, actor: str) -> Registration:
+    """Create or update a worker. Registering again is how a worker announces a new pool or labels."""
+    repo = WorkerRepository(session)
+    now = utcnow()
+    labels, engines = dict(body.labels), dict(body.engines)
+    wanted: dict[str, Any] = {"pool": body.pool, "labels": labels, "engines": engines}
+    worker = repo.get(body.id)
+    if worker is None:
+        worker = repo.add(Worker(id=body.id, pool=body.pool, labels=labels, engines=engines,
+                                 sidecar_version=body.sidecar_version, registered_at=now,
+                                 last_heartbeat_at=now))
+        record(session, actor=actor, action="worker.register", target_type="worker", target_id=worker.id,
+               after={**wanted, "sidecar_version": body.sidecar_version})
+        # Nobody can be waiting for the bundle of a worker that did not exist: no announcement.
+        return Registration(worker, True, None)
+
+    before = _registered(worker)
+    worker.sidecar_version = body.sidecar_version
+    # Registering is contact too: a worker that just re-registered is not stale.
+    worker.last_heartbeat_at = now
+    generation = None
+    if before != wanted:
+        worker.pool, worker.labels, worker.engines = body.pool, labels, engines
+        record(session, actor=actor, action="worker.register", target_type="worker", target_id=worker.id,
+               before=before, after={**wanted, "sidecar_version": body.sidecar_version})
+        if (before["pool"], before["labels"]) != (body.pool, labels):
+            # Pool and labels pick the policy and the rollout cohort: this worker's long-polls
+            # (on any replica) must recompute.
+            generation = bump_generation(session)
+    # A re-registration that changes nothing (a sidecar restart) is not audited.
+    return Registration(worker, False, generation)
+
+
+def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat) -> HeartbeatAck:
+    # Heartbeats are not audited: they report liveness and what a worker runs, not a change
+    # anyone made, and auditing them would bury the real changes.
+    worker = get_worker(session, worker_id)
+    worker.last_heartbeat_at = utcnow()
+    # A field left out keeps what the worker reported before; an explicit null clears it.
+    if "active_revision" in body.model_fields_set:
+        worker.active_revision_id = body.active_revision
+    if "active_etag" in body.model_fields_set:
+        worker.active_etag = body.active_etag or None
+    expected = load_view(session, [worker.pool]).expected_etag(worker)
+    return HeartbeatAck(expected_etag=expected, converged=worker.active_etag == expected)
+
+
+def _stale_before(stale_after_s: float) -> dt.datetime:
+    return utcnow() - dt.timedelta(seconds=stale_after_s)
+
+
+def describe(worker: Worker, view: DistributionView, stale_before: dt.datetime) -> WorkerRead:
+    expected = view.expected_etag(worker)
+    return WorkerRead(
+        id=worker.id, pool=worker.pool, labels=dict(worker.labels or {}), engines=dict(worker.engines or {}),
+        sidecar_version=worker.sidecar_version, registered_at=worker.registered_at,
+        last_heartbeat_at=worker.last_heartbeat_at, active_revision=worker.active_revision_id,
+        active_etag=worker.active_etag, expected_etag=expected,
+        stale=worker.last_heartbeat_at < stale_before, converged=worker.active_etag == expected,
+    )
+
+
+def describe_one(session: Session, worker: Worker, stale_after_s: float) -> WorkerRead:
+    return describe(worker, load_view(session, [worker.pool]), _stale_before(stale_after_s))
+
+
+def list_workers(session: Session, *, pool: str | None, stale: bool | None, cursor: str | None,
+                 limit: int, stale_after_s: float) -> WorkerPage:
+    stale_before = _stale_before(stale_after_s)
+    rows = WorkerRepository(session).page(pool=pool, stale=stale, stale_before=stale_before,
+                                          after_id=cursor, limit=limit)
+    view = load_view(session, {w.pool for w in rows})
+    items = [describe(w, view, stale_before) for w in rows]
+    return WorkerPage(items=items, next_cursor=rows[-1].id if len(rows) == limit else None)
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.workers = 0
+        self.stale = 0
+        self.converged = 0
+        self.revisions: Counter[str | None] = Counter()
+
+    def add(self, read: WorkerRead) -> None:
+        self.workers += 1
+        if read.stale:
+            self.stale += 1
+            return
+        self.converged += read.converged
+        self.revisions[read.active_revision] += 1
+
+    def group(self) -> dict[str, Any]:
+        revisions = sorted(self.revisions.items(), key=lambda item: (-item[1], item[0] or ""))
+        return {"workers": self.workers, "stale": self.stale, "converged_workers": self.converged,
+                "converged": self.converged == self.workers - self.stale,
+                "revisions": [RevisionCount(revision=r, workers=n) for r, n in revisions]}
+
+
+def fleet(session: Session, *, stale_after_s: float) -> FleetRead:
+    stale_before = _stale_before(stale_after_s)
+    workers = WorkerRepository(session).all()
+    view = load_view(session)
+    overall = _Tally()
+    pools: dict[str, _Tally] = {}
+    for worker in workers:
+        read = describe(worker, view, stale_before)
+        overall.add(read)
+        pools.setdefault(worker.pool, _Tally()).add(read)
+    return FleetRead(generation=view.generation, kill_switch=view.kill_switch, stale_after_s=stale_after_s,
+                     overall=FleetGroup(**overall.group()),
+                     pools=[PoolFleet(pool=name, **tally.group()) for name, tally in sorted(pools.items())])
