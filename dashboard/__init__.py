@@ -1,0 +1,1 @@
+"""specgate dashboard (built in a later issue)."""

@@ -1,0 +1,1 @@
+"""specgate sidecar (built in a later issue)."""

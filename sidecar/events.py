@@ -1,0 +1,69 @@
+"""The telemetry event: one per request, the contract between sidecar and control plane."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pydantic import BaseModel, ConfigDict, Field
+
+EVENT_SCHEMA_VERSION = 1
+
+
+class TelemetryEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    event_id: str = Field(min_length=1, max_length=64, description="unique per event; dedup key")
+    request_id: str = Field(min_length=1, max_length=128)
+    time: dt.datetime = Field(description="request admission, UTC")
+    worker_id: str = Field(min_length=1, max_length=128)
+    pool: str = Field(max_length=128)
+    route: str = Field(max_length=128)
+    model: str = Field(max_length=256)
+    # the decision
+    policy: str = Field(max_length=63)
+    revision: str = Field(max_length=64)
+    rule: str = Field(max_length=63)
+    engine: str = Field(max_length=63, description="engine the request finally ran on")
+    decided_engine: str = Field(max_length=63, description="engine the decision chose")
+    speculate: bool
+    num_speculative_tokens: int = Field(ge=0, le=16)
+    explored: bool
+    canary: bool = Field(description="decided by a traffic-rollout canary revision")
+    kill_switch: bool
+    # the request
+    batch_size: int = Field(ge=0)
+    stream: bool
+    structured_output: bool
+    tools: bool
+    max_tokens: int | None = Field(default=None, ge=0)
+    prompt_tokens: int | None = Field(default=None, ge=0, description="as the engine counted them")
+    completion_tokens: int | None = Field(default=None, ge=0)
+    # timing as the sidecar saw it, milliseconds
+    ttft_ms: float | None = Field(default=None, ge=0)
+    itl_ms: float | None = Field(default=None, ge=0, description="mean inter-token latency")
+    e2e_ms: float = Field(ge=0)
+    # outcome
+    status: str = Field(pattern=r"^(ok|error|client_disconnect|upstream_error)$")
+    http_status: int | None = Field(default=None, ge=100, le=599)
+    retries: int = Field(default=0, ge=0)
+    fallback: bool = False
+    fallback_reason: str | None = Field(default=None, max_length=200)
+    structured_valid: bool | None = Field(default=None, description="output parsed and matched the schema")
+    # the engine's own per-request numbers (vLLM per-request metrics), when it reported them
+    spec_draft_tokens: int | None = Field(default=None, ge=0)
+    spec_accepted_tokens: int | None = Field(default=None, ge=0)
+    spec_acceptance_rate: float | None = Field(default=None, ge=0, le=1)
+    spec_mean_acceptance_length: float | None = Field(default=None, ge=0)
+    spec_steps: int | None = Field(default=None, ge=0)
+    engine_ttft_ms: float | None = Field(default=None, ge=0)
+    engine_itl_ms: float | None = Field(default=None, ge=0)
+    engine_queue_ms: float | None = Field(default=None, ge=0)
+
+
+class TelemetryBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str = Field(min_length=1, max_length=64, description="idempotency key of this batch")
+    worker_id: str = Field(min_length=1, max_length=128)
+    schema_version: int = EVENT_SCHEMA_VERSION
+    events: list[TelemetryEvent] = Field(max_length=10_000)

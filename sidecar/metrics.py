@@ -1,0 +1,163 @@
+"""The sidecar's Prometheus metrics (``GET /metrics`` of the sidecar).
+
+The request path only bumps plain dict counters (no locks, no label-child
+look-ups: the app runs on one event loop); a custom collector turns them into
+metric families when Prometheus scrapes. Gauges that describe state (in
+flight, telemetry queue depth, active revision, engine running counts) are read
+at scrape time from their owners.
+
+Exposed (all prefixed ``specgate_sidecar_``):
+
+* ``decisions_total{engine,rule}`` — decisions made, by decided engine and rule
+* ``requests_total{engine,status}`` — finished requests, by the engine that served
+  them and telemetry status (ok, error, upstream_error, client_disconnect)
+* ``fallbacks_total{reason}`` — requests moved to the fallback engine
+* ``upstream_errors_total{engine}`` — failed upstream attempts (connect, 5xx, broken stream)
+* ``rejected_total{reason}`` — requests answered by the sidecar itself (no policy, bad body)
+* ``hook_errors_total`` — exceptions raised by the on_event hook
+* ``request_duration_seconds{engine}`` — histogram of end-to-end latency seen by the sidecar
+* ``in_flight`` — requests in flight now
+* ``telemetry_queue_depth`` — events waiting in the exporter (when it reports ``queue_depth()``)
+* ``active_revision{policy,revision,role}`` — 1 for the revision(s) in use (role active|canary)
+* ``kill_switch`` — 1 when the bundle's kill switch is on
+* ``engine_running{engine}`` — last scraped ``vllm:num_requests_running`` per engine
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from policies import PolicyStore
+from sidecar.batch import EngineScraper, InFlight
+
+PREFIX = "specgate_sidecar_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _Histogram:
+    __slots__ = ("counts", "total", "n")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.total += value
+        self.n += 1
+
+
+class SidecarMetrics(Collector):
+    def __init__(self, store: PolicyStore, inflight: InFlight, scraper: EngineScraper | None = None,
+                 queue_depth: Callable[[], int] | None = None) -> None:
+        self.store = store
+        self.inflight = inflight
+        self.scraper = scraper
+        self.queue_depth = queue_depth
+        self.decisions: dict[tuple[str, str], int] = {}
+        self.requests: dict[tuple[str, str], int] = {}
+        self.fallbacks: dict[str, int] = {}
+        self.upstream_errors: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self.hook_errors = 0
+        self.latency: dict[str, _Histogram] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # --- recording (request path; cheap) -----------------------------------------
+
+    def decision(self, engine: str, rule: str) -> None:
+        key = (engine, rule)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    def finished(self, engine: str, status: str, seconds: float) -> None:
+        key = (engine, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        hist = self.latency.get(engine)
+        if hist is None:
+            hist = self.latency[engine] = _Histogram()
+        hist.observe(seconds)
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def upstream_error(self, engine: str) -> None:
+        self.upstream_errors[engine] = self.upstream_errors.get(engine, 0) + 1
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    # --- exposition --------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def collect(self) -> Iterator[Metric]:
+        family: Any = CounterMetricFamily(PREFIX + "decisions", "Decisions by decided engine and rule",
+                                          labels=["engine", "rule"])
+        for (engine, rule), n in list(self.decisions.items()):
+            family.add_metric([engine, rule], n)
+        yield family
+        family = CounterMetricFamily(PREFIX + "requests", "Finished requests by serving engine and status",
+                                     labels=["engine", "status"])
+        for (engine, status), n in list(self.requests.items()):
+            family.add_metric([engine, status], n)
+        yield family
+        family = CounterMetricFamily(PREFIX + "fallbacks", "Requests moved to the fallback engine",
+                                     labels=["reason"])
+        for reason, n in list(self.fallbacks.items()):
+            family.add_metric([reason], n)
+        yield family
+        family = CounterMetricFamily(PREFIX + "upstream_errors", "Failed upstream attempts by engine",
+                                     labels=["engine"])
+        for engine, n in list(self.upstream_errors.items()):
+            family.add_metric([engine], n)
+        yield family
+        family = CounterMetricFamily(PREFIX + "rejected", "Requests answered by the sidecar itself",
+                                     labels=["reason"])
+        for reason, n in list(self.rejected.items()):
+            family.add_metric([reason], n)
+        yield family
+        yield CounterMetricFamily(PREFIX + "hook_errors", "Exceptions raised by the on_event hook",
+                                  value=self.hook_errors)
+        family = HistogramMetricFamily(PREFIX + "request_duration_seconds",
+                                       "End-to-end request latency seen by the sidecar", labels=["engine"])
+        for engine, hist in list(self.latency.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip((*LATENCY_BUCKETS, float("inf")), hist.counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric([engine], buckets, hist.total)
+        yield family
+        yield GaugeMetricFamily(PREFIX + "in_flight", "Requests in flight on this sidecar",
+                                value=self.inflight.count)
+        if self.queue_depth is not None:
+            try:
+                depth = float(self.queue_depth())
+            except Exception:  # a broken exporter must not break /metrics
+                depth = float("nan")
+            yield GaugeMetricFamily(PREFIX + "telemetry_queue_depth", "Telemetry events waiting to be exported",
+                                    value=depth)
+        bundle = self.store.current
+        family = GaugeMetricFamily(PREFIX + "active_revision", "1 for each policy revision in use",
+                                   labels=["policy", "revision", "role"])
+        if bundle is not None:
+            family.add_metric([bundle.active.name, bundle.active.revision, "active"], 1)
+            if bundle.canary is not None:
+                family.add_metric([bundle.canary.name, bundle.canary.revision, "canary"], 1)
+        yield family
+        yield GaugeMetricFamily(PREFIX + "kill_switch", "1 when the kill switch is on",
+                                value=1 if bundle is not None and bundle.kill_switch else 0)
+        if self.scraper is not None:
+            family = GaugeMetricFamily(PREFIX + "engine_running",
+                                       "Last scraped vllm:num_requests_running per engine", labels=["engine"])
+            for engine, (value, _at) in list(self.scraper.running.items()):
+                family.add_metric([engine], value)
+            yield family

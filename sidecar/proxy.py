@@ -1,0 +1,867 @@
+"""The sidecar's request path: a raw ASGI app in front of one worker's engine variants.
+
+``build_app(settings, store, exporter, on_event=None)`` returns the app. Per
+OpenAI request (``POST /v1/chat/completions``, ``POST /v1/completions``) it
+
+1. reads and parses the body once, classifies it (:mod:`sidecar.classify`)
+   with the batch size of :mod:`sidecar.batch`, and decides with
+   ``store.current.decide(shape)`` (503 problem+json before the first policy);
+2. forwards it to ``settings.engines[decision.engine]`` over a pooled
+   keep-alive ``aiohttp`` session (one per engine); an engine the worker does
+   not have is replaced by the policy's fallback (plain) engine, recorded as
+   ``fallback_reason="engine_not_configured"``;
+3. if a speculative engine fails before the client got a byte (connection
+   refused, connect timeout, broken connection, 5xx), retries once on the
+   fallback engine (``retries=1``, ``fallback=True``);
+4. relays the answer: JSON whole, streams event by event as they arrive;
+5. after the response is complete, builds one ``TelemetryEvent`` and hands it
+   to ``exporter.submit`` and the ``on_event`` hook, on a later loop turn.
+
+Per-request engine metrics: the engines run with ``--enable-per-request-metrics``
+(speculative ones also with ``--per-request-spec-decode-metrics summary``), so
+vLLM adds a top-level ``metrics`` object to JSON answers and to the final usage
+chunk of streams, which exists only with ``stream_options.include_usage``. The
+client keeps the semantics it asked for, as if the engines ran without those
+flags:
+
+* streams: the sidecar sets ``include_usage`` when the client did not, and then
+  drops the usage-only chunk (and strips ``usage``/``metrics`` from any other
+  chunk); when the client asked for usage it gets the usage chunk, minus
+  ``metrics``;
+* JSON answers: ``metrics`` is removed.
+
+``build_app(..., expose_engine_metrics=True)`` keeps ``metrics`` wherever the
+client would get the carrying object anyway.
+
+Every other path (``GET /v1/models`` included) is passed through unchanged to
+the fallback engine of the current policy; the sidecar's own paths are
+``GET /metrics`` (Prometheus), ``GET /healthz`` (alive) and ``GET /readyz``
+(200 once a policy is loaded, else 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Protocol
+
+import aiohttp
+import jsonschema
+from yarl import URL
+
+from policies import CompiledBundle, Decision, PolicyStore, RequestShape
+from sidecar.batch import BatchEstimator, EngineScraper, InFlight
+from sidecar.classify import JSON_OBJECT, classify, output_schema
+from sidecar.events import TelemetryEvent
+from sidecar.metrics import SidecarMetrics
+from sidecar.settings import SidecarSettings
+
+try:  # orjson is several times faster than the stdlib; both give the same values here
+    import orjson
+
+    def _loads(data: bytes) -> Any:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:  # e.g. integers beyond 64 bits: let the stdlib decide
+            return json.loads(data)
+
+    def _dumps(value: Any) -> bytes:
+        try:
+            return orjson.dumps(value)
+        except TypeError:
+            return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+except ImportError:  # pragma: no cover - orjson is optional
+    def _loads(data: bytes) -> Any:
+        return json.loads(data)
+
+    def _dumps(value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class Exporter(Protocol):
+    def submit(self, event: TelemetryEvent) -> None: ...
+
+
+API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+PROBLEM_BASE = "https://specgate.dev/problems/"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+# request headers never forwarded (hop-by-hop, or set by the client library)
+_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                  b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"})
+_API_DROP = _HOP | {b"accept-encoding"}
+# upstream response headers not relayed (hop-by-hop; date/server come from our server)
+_RESP_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server",
+                        b"x-request-id", b"proxy-authenticate", b"trailer", b"upgrade", b"te"})
+_START = "http.response.start"
+_BODY = "http.response.body"
+_H_DECISION = b"x-specgate-decision"
+_H_REQUEST_ID = b"x-request-id"
+_H_FALLBACK = b"x-specgate-fallback"
+_H_CONTENT_TYPE = b"content-type"
+_H_CONTENT_LENGTH = b"content-length"
+_STREAM_BROKEN = (b'data: {"error":{"message":"the engine connection broke mid-stream",'
+                  b'"type":"upstream_error","code":502}}\n\n')
+
+
+def _failure_reason(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "connect_timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect_error"
+    if isinstance(exc, TimeoutError):
+        return "read_timeout"
+    return "upstream_disconnected"
+
+
+_EVENT_FIELDS = frozenset(TelemetryEvent.model_fields)
+_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
+
+
+def _num(value: Any, *, integer: bool = False, at_most: float | None = None) -> Any:
+    """A non-negative finite number from engine JSON, else None (events must stay valid)."""
+    if type(value) is bool or not isinstance(value, int | float):
+        return None
+    if integer:
+        return value if type(value) is int and value >= 0 else None
+    if not 0 <= value < float("inf"):
+        return None
+    return min(float(value), at_most) if at_most is not None else float(value)
+
+
+class _Watched:
+    """What a client-disconnect watcher needs: the task to cancel and whether the answer is done."""
+
+    __slots__ = ("task", "disconnected", "done")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.disconnected = False
+        self.done = False
+
+    def on_receive(self, fut: asyncio.Future[Message]) -> None:
+        """The watcher's callback: a disconnect before we finished cancels the request task."""
+        if self.done or fut.cancelled() or fut.exception() is not None:
+            return
+        if fut.result().get("type") == "http.disconnect":
+            self.disconnected = True
+            if self.task is not None:
+                self.task.cancel()
+
+    def watch(self, receive: Receive) -> asyncio.Future[Message]:
+        """Waits for the client's disconnect in the background (the request body has been read)."""
+        self.task = asyncio.current_task()
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(self.on_receive)
+        return watcher
+
+    def unwatch(self, watcher: asyncio.Future[Message]) -> None:
+        self.done = True
+        if not watcher.done():
+            watcher.remove_done_callback(self.on_receive)
+            watcher.cancel()
+
+
+class _Call(_Watched):
+    """The state of one proxied request, from admission to its telemetry event."""
+
+    __slots__ = (
+        "t0", "wall", "request_id", "path", "shape", "decision", "bundle", "canary", "engine",
+        "stream", "added_usage", "schema", "retries", "fallback", "fallback_reason", "status", "http_status",
+        "first_token", "last_token", "n_chunks", "parts", "output", "usage", "metrics", "t_end", "started",
+        "decided",
+    )
+
+    def __init__(self, t0: float, wall: float, request_id: str, path: str) -> None:
+        super().__init__()
+        self.shape: RequestShape
+        self.decision: Decision
+        self.bundle: CompiledBundle
+        self.decided = False
+        self.canary = False
+        self.t0 = t0
+        self.wall = wall
+        self.request_id = request_id
+        self.path = path
+        self.engine = ""
+        self.stream = False
+        self.added_usage = False
+        self.schema: Any = None
+        self.retries = 0
+        self.fallback = False
+        self.fallback_reason: str | None = None
+        self.status = "ok"
+        self.http_status: int | None = None
+        self.first_token: float | None = None
+        self.last_token = 0.0
+        self.n_chunks = 0
+        self.parts: list[str] | None = None
+        self.output: Any = None
+        self.usage: Any = None
+        self.metrics: Any = None
+        self.t_end = 0.0
+        self.started = False
+
+
+class SidecarApp:
+    """The ASGI app (see the module docs). Build it with :func:`build_app`."""
+
+    def __init__(self, settings: SidecarSettings, store: PolicyStore, exporter: Exporter, *,
+                 on_event: Callable[[TelemetryEvent], None] | None = None,
+                 expose_engine_metrics: bool = False, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.settings = settings
+        self.store = store
+        self.exporter = exporter
+        self.on_event = on_event
+        self.expose_engine_metrics = expose_engine_metrics
+        self.max_body_bytes = max_body_bytes
+        self.worker_id = settings.worker_id or settings.listen
+        self.routes: Mapping[str, str] = dict(settings.routes)
+        self.engines: dict[str, str] = {name: url.rstrip("/") for name, url in settings.engines.items()}
+        self.sessions: dict[str, aiohttp.ClientSession] = {}
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._headers: dict[int, tuple[Decision, bytes]] = {}
+        self._validators: dict[bytes, Any] = {}
+        self.inflight = InFlight()
+        self.scraper = EngineScraper(self.engines, settings.engine_metrics_s) if self.engines else None
+        self.batch = BatchEstimator(self.inflight, self.scraper)
+        queue_depth = getattr(exporter, "queue_depth", None)
+        self.metrics = SidecarMetrics(store, self.inflight, self.scraper,
+                                      queue_depth if callable(queue_depth) else None)
+        self._started = False
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Open one pooled client session per engine and start the engine scraper (idempotent)."""
+        if self._started:
+            return
+        self._started = True
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.upstream_connect_timeout_s,
+                                        sock_read=self.settings.upstream_read_timeout_s)
+        for name in self.engines:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0,
+                                             ttl_dns_cache=300)
+            self.sessions[name] = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
+                skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar())
+        if self.scraper is not None:
+            self.scraper.start()
+
+    async def shutdown(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        if self.scraper is not None:
+            await self.scraper.stop()
+        sessions, self.sessions = self.sessions, {}
+        for session in sessions.values():
+            await session.close()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            kind = message["type"]
+            if kind == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif kind == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- dispatch --------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if not self._started:  # used without a lifespan (e.g. an in-process test client)
+                await self.startup()
+            path = scope["path"]
+            method = scope["method"]
+            if method == "POST" and path in API_PATHS:
+                await self._api(scope, receive, send)
+            elif path == "/metrics" and method == "GET":
+                body, ctype = self.metrics.render()
+                await _respond(send, 200, body, ctype.encode())
+            elif path == "/healthz":
+                await _respond(send, 200, b'{"status":"ok"}', b"application/json")
+            elif path == "/readyz":
+                if self.store.current is None:
+                    await _respond(send, 503, b'{"status":"no policy loaded yet"}', b"application/json")
+                else:
+                    await _respond(send, 200, b'{"status":"ready"}', b"application/json")
+            else:
+                await self._passthrough(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # --- the OpenAI request path ---------------------------------------------------------
+
+    async def _api(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        wall = time.time()
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
+        route_header = labels_header = request_id = None
+        headers: list[tuple[str, str]] = []
+        for name, value in scope["headers"]:
+            if name in _API_DROP:
+                continue
+            if name.startswith(b"x-specgate-"):
+                if name == b"x-specgate-route":
+                    route_header = value.decode("latin-1").strip()
+                elif name == b"x-specgate-labels":
+                    labels_header = value.decode("latin-1")
+                continue
+            if name == _H_REQUEST_ID:
+                request_id = value.decode("latin-1").strip()
+                continue
+            headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        try:
+            data = _loads(body)
+        except ValueError:
+            data = None
+        if type(data) is not dict:
+            self.metrics.reject("bad_body")
+            await _problem(send, 400, "bad-request", "Bad request", "the request body must be a JSON object")
+            return
+        bundle = self.store.current
+        if bundle is None:
+            self.metrics.reject("no_policy")
+            await _problem(send, 503, "no-policy", "No policy", "no policy loaded yet")
+            return
+        if not request_id:
+            request_id = uuid.uuid4().hex
+        headers.append(("X-Request-Id", request_id))
+        headers.append(("Accept-Encoding", "identity"))
+        call = _Call(t0, wall, request_id, scope["path"])
+        query = scope.get("query_string") or b""
+        batch_size = self.batch.admit()
+        try:
+            call.shape = classify(data, path=call.path, route_header=route_header, labels_header=labels_header,
+                                  routes=self.routes, batch_size=batch_size, request_id=request_id)
+            await self._serve(call, bundle, data, body, headers, query, receive, send)
+        finally:
+            self.batch.release()
+            call.t_end = time.perf_counter()
+            if call.decided:  # a decision was made: one telemetry event, off the hot path
+                asyncio.get_running_loop().call_soon(self._finish, call)
+
+    async def _serve(self, call: _Call, bundle: CompiledBundle, data: dict[str, Any], body: bytes,
+                     headers: list[tuple[str, str]], query: bytes, receive: Receive, send: Send) -> None:
+        shape = call.shape
+        decision = bundle.decide(shape)
+        policy = bundle.active if bundle.canary is None else bundle.policy_for(call.request_id)
+        call.decision = decision
+        call.bundle = bundle
+        call.canary = policy is bundle.canary
+        call.decided = True
+        fallback = policy.fallback_engine
+        sessions = self.sessions
+        engine = decision.engine
+        if engine not in sessions:
+            call.fallback = True
+            call.fallback_reason = "engine_not_configured"
+            self.metrics.fallback("engine_not_configured")
+            engine = fallback
+        call.engine = engine
+        if engine not in sessions:
+            call.status = "error"
+            call.http_status = 502
+            await _problem(send, 502, "engine-not-configured", "Engine not configured",
+                           f"neither engine {decision.engine!r} nor the fallback {fallback!r} is configured "
+                           "on this worker", self._our_headers(call))
+            return
+        if shape.stream:
+            call.stream = True
+            options = data.get("stream_options")
+            if type(options) is not dict or options.get("include_usage") is not True:
+                data["stream_options"] = {**options, "include_usage": True} if type(options) is dict \
+                    else {"include_usage": True}
+                body = _dumps(data)
+                call.added_usage = True
+        if shape.structured_output:
+            call.schema = output_schema(data)
+            if call.schema is not None and shape.stream:
+                call.parts = []
+        # a disconnect of the client cancels this task, and with it the upstream request
+        watcher = call.watch(receive)
+        try:
+            while True:
+                retryable = (not call.retries and decision.speculate and engine != fallback
+                             and fallback in sessions)
+                reason = await self._attempt(call, engine, body, headers, query, send, retryable)
+                if reason is None:
+                    break
+                self.metrics.upstream_error(engine)
+                if retryable:
+                    call.retries = 1
+                    call.fallback = True
+                    call.fallback_reason = reason
+                    self.metrics.fallback(reason)
+                    engine = call.engine = fallback
+                    continue
+                call.status = "upstream_error"
+                call.http_status = 502
+                await _problem(send, 502, "upstream-unavailable", "Engine unavailable",
+                               f"engine {engine!r} failed before answering ({reason})", self._our_headers(call))
+                break
+        except asyncio.CancelledError:
+            if not call.disconnected:  # the server is shutting down: not the client's doing
+                call.status = "error"
+                raise
+            _uncancel()
+            call.status = "client_disconnect"
+        except BaseException:
+            call.status = "error"
+            raise
+        finally:
+            call.unwatch(watcher)
+
+    def _url(self, engine: str, path: str, query: bytes) -> URL:
+        if query:
+            return URL(self.engines[engine] + path + "?" + query.decode("latin-1"), encoded=True)
+        key = (engine, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = URL(self.engines[engine] + path, encoded=True)
+        return url
+
+    def _our_headers(self, call: _Call) -> list[tuple[bytes, bytes]]:
+        """X-Request-Id, X-Specgate-Decision (prebuilt per decision) and, after a fallback, X-Specgate-Fallback."""
+        decision = call.decision
+        cached = self._headers.get(id(decision))
+        if cached is None or cached[0] is not decision:
+            if len(self._headers) > 4096:
+                self._headers.clear()
+            cached = self._headers[id(decision)] = (decision, decision.to_header().encode())
+        out = [(_H_REQUEST_ID, call.request_id.encode("latin-1", "replace")), (_H_DECISION, cached[1])]
+        if call.fallback:
+            out.append((_H_FALLBACK, f"engine={call.engine}; reason={call.fallback_reason}".encode()))
+        return out
+
+    async def _attempt(self, call: _Call, engine: str, body: bytes, headers: list[tuple[str, str]],
+                       query: bytes, send: Send, retryable: bool) -> str | None:
+        """One upstream try. Returns a failure reason if it failed with nothing sent to the client."""
+        try:
+            resp = await self.sessions[engine].post(self._url(engine, call.path, query), data=body,
+                                                    headers=headers)
+        except _UPSTREAM_ERRORS as exc:
+            return _failure_reason(exc)
+        complete = False
+        try:
+            status = resp.status
+            if status >= 500 and retryable:
+                return f"upstream_{status}"
+            if call.stream and status == 200 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                reason = await self._relay_stream(call, resp, send)
+                complete = reason is None
+                return reason
+            try:
+                raw = await resp.read()
+            except _UPSTREAM_ERRORS as exc:
+                return _failure_reason(exc)
+            complete = True
+            await self._deliver(call, resp, raw, send)
+            return None
+        finally:
+            if complete:
+                resp.release()
+            else:
+                resp.close()
+
+    def _relay_headers(self, resp: aiohttp.ClientResponse, call: _Call) -> list[tuple[bytes, bytes]]:
+        out = [(name.lower(), value) for name, value in resp.raw_headers if name.lower() not in _RESP_DROP]
+        out.extend(self._our_headers(call))
+        return out
+
+    async def _deliver(self, call: _Call, resp: aiohttp.ClientResponse, raw: bytes, send: Send) -> None:
+        """A whole (non-stream) answer: read engine numbers, strip ``metrics``, send."""
+        status = resp.status
+        call.http_status = status
+        if status >= 500:
+            call.status = "upstream_error"
+            self.metrics.upstream_error(call.engine)
+        elif status >= 400:
+            call.status = "error"
+        if status == 200 and raw[:1] == b"{":
+            try:
+                obj = _loads(raw)
+            except ValueError:
+                obj = None
+            if type(obj) is dict:
+                call.output = obj
+                call.usage = obj.get("usage")
+                if "metrics" in obj:
+                    call.metrics = obj["metrics"]
+                    if not self.expose_engine_metrics:
+                        del obj["metrics"]
+                        raw = _dumps(obj)
+        headers = self._relay_headers(resp, call)
+        headers.append((_H_CONTENT_LENGTH, b"%d" % len(raw)))
+        call.started = True
+        await send({"type": _START, "status": status, "headers": headers})
+        await send({"type": _BODY, "body": raw})
+
+    async def _relay_stream(self, call: _Call, resp: aiohttp.ClientResponse, send: Send) -> str | None:
+        """Relays SSE events as they arrive (whole events only, never the whole stream)."""
+        content = resp.content
+        pending = b""
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    break
+                if pending:
+                    data = pending + data
+                cut = data.rfind(b"\n\n")
+                if cut < 0:
+                    pending = data
+                    continue
+                cut += 2
+                if cut < len(data):
+                    pending = data[cut:]
+                    data = data[:cut]
+                else:
+                    pending = b""
+                out = self._scan(call, data)
+                if not call.started:
+                    call.started = True
+                    call.http_status = resp.status
+                    await send({"type": _START, "status": resp.status, "headers": self._relay_headers(resp, call)})
+                if out:
+                    await send({"type": _BODY, "body": out, "more_body": True})
+        except _UPSTREAM_ERRORS as exc:
+            if not call.started:
+                return _failure_reason(exc)
+            # after the first byte there is no retry: tell the client in the stream, then end it
+            self.metrics.upstream_error(call.engine)
+            call.status = "upstream_error"
+            await send({"type": _BODY, "body": _STREAM_BROKEN, "more_body": False})
+            return None
+        tail = self._scan(call, pending) if pending else b""
+        if not call.started:
+            call.started = True
+            call.http_status = resp.status
+            await send({"type": _START, "status": resp.status, "headers": self._relay_headers(resp, call)})
+        await send({"type": _BODY, "body": tail, "more_body": False})
+        return None
+
+    def _scan(self, call: _Call, data: bytes) -> bytes:
+        """Looks at each event in ``data``; returns ``data`` itself unless an event was dropped or rewritten."""
+        now = time.perf_counter()
+        kept: list[bytes] | None = None
+        start = 0
+        size = len(data)
+        while start < size:
+            end = data.find(b"\n\n", start)
+            end = size if end < 0 else end + 2
+            replacement = self._event(call, data, start, end, now)
+            if replacement is not None:
+                if kept is None:
+                    kept = [data[:start]]
+                kept.append(replacement)
+            elif kept is not None:
+                kept.append(data[start:end])
+            start = end
+        return data if kept is None else b"".join(kept)
+
+    def _event(self, call: _Call, data: bytes, start: int, end: int, now: float) -> bytes | None:
+        """One SSE event: timestamps content, catches usage/metrics. None keeps it as is."""
+        if not data.startswith(b"data:", start):
+            return None
+        payload = data[start + 5:end].strip()
+        if payload[:1] != b"{":
+            return None
+        try:
+            obj = _loads(payload)
+        except ValueError:
+            return None
+        if type(obj) is not dict:
+            return None
+        choices = obj.get("choices")
+        if choices and type(choices) is list:
+            choice = choices[0]
+            if type(choice) is dict:
+                delta = choice.get("delta")
+                if type(delta) is dict:
+                    text = delta.get("content")
+                    content = text or delta.get("tool_calls") or delta.get("reasoning_content")
+                else:
+                    text = choice.get("text")
+                    content = text
+                if content:
+                    if call.first_token is None:
+                        call.first_token = now
+                    call.last_token = now
+                    call.n_chunks += 1
+                    if call.parts is not None and type(text) is str:
+                        call.parts.append(text)
+        elif "error" in obj:
+            call.status = "upstream_error"
+        usage = obj.get("usage")
+        metrics = obj.get("metrics")
+        if usage is not None:
+            call.usage = usage
+        if metrics is not None:
+            call.metrics = metrics
+        if call.added_usage:
+            if usage is not None and not choices:
+                return b""  # the usage-only chunk the client did not ask for
+            if "usage" in obj or "metrics" in obj:
+                obj.pop("usage", None)
+                obj.pop("metrics", None)
+                return b"data: " + _dumps(obj) + b"\n\n"
+        elif metrics is not None and not self.expose_engine_metrics:
+            del obj["metrics"]
+            return b"data: " + _dumps(obj) + b"\n\n"
+        return None
+
+    # --- telemetry (after the response) -----------------------------------------------
+
+    def _finish(self, call: _Call) -> None:
+        decision = call.decision
+        shape = call.shape
+        e2e = call.t_end - call.t0
+        ttft = itl = None
+        if call.first_token is not None:
+            ttft = (call.first_token - call.t0) * 1000.0
+            if call.n_chunks > 1:
+                itl = (call.last_token - call.first_token) * 1000.0 / (call.n_chunks - 1)
+        usage = call.usage if type(call.usage) is dict else {}
+        metrics = call.metrics if type(call.metrics) is dict else {}
+        spec = metrics.get("speculative_decoding")
+        if type(spec) is not dict:
+            spec = {}
+        status = call.status
+        http_status = call.http_status
+        if http_status is not None and not 100 <= http_status <= 599:
+            http_status = None
+        event = TelemetryEvent.model_construct(
+            _fields_set=set(_EVENT_FIELDS),
+            event_id=os.urandom(16).hex(),
+            request_id=call.request_id[:128],
+            time=_utc(call.wall),
+            worker_id=self.worker_id,
+            pool=self.settings.pool,
+            route=shape.route,
+            model=shape.model[:256],
+            policy=decision.policy,
+            revision=decision.revision,
+            rule=decision.rule,
+            engine=call.engine,
+            decided_engine=decision.engine,
+            speculate=decision.speculate,
+            num_speculative_tokens=decision.num_speculative_tokens,
+            explored=decision.explored,
+            canary=call.canary,
+            kill_switch=call.bundle.kill_switch,
+            batch_size=shape.batch_size,
+            stream=shape.stream,
+            structured_output=shape.structured_output,
+            tools=shape.tools,
+            max_tokens=shape.max_tokens,
+            prompt_tokens=_num(usage.get("prompt_tokens"), integer=True),
+            completion_tokens=_num(usage.get("completion_tokens"), integer=True),
+            ttft_ms=ttft,
+            itl_ms=itl,
+            e2e_ms=e2e * 1000.0,
+            status=status,
+            http_status=http_status,
+            retries=call.retries,
+            fallback=call.fallback,
+            fallback_reason=call.fallback_reason,
+            structured_valid=self._structured_valid(call) if call.schema is not None and status == "ok" else None,
+            spec_draft_tokens=_num(spec.get("num_draft_tokens"), integer=True),
+            spec_accepted_tokens=_num(spec.get("num_accepted_draft_tokens"), integer=True),
+            spec_acceptance_rate=_num(spec.get("draft_acceptance_rate"), at_most=1.0),
+            spec_mean_acceptance_length=_num(spec.get("mean_acceptance_length")),
+            spec_steps=_num(spec.get("num_spec_steps"), integer=True),
+            engine_ttft_ms=_num(metrics.get("time_to_first_token_ms")),
+            engine_itl_ms=_num(metrics.get("mean_itl_ms")),
+            engine_queue_ms=_num(metrics.get("queue_time_ms")),
+        )
+        self.metrics.decision(decision.engine, decision.rule)
+        self.metrics.finished(call.engine, status, e2e)
+        with contextlib.suppress(Exception):  # the exporter promises not to raise; be sure
+            self.exporter.submit(event)
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:
+                self.metrics.hook_errors += 1
+
+    def _structured_valid(self, call: _Call) -> bool | None:
+        if call.parts is not None:
+            text: Any = "".join(call.parts)
+        else:
+            text = None
+            output = call.output
+            if type(output) is dict:
+                choices = output.get("choices")
+                if choices and type(choices) is list and type(choices[0]) is dict:
+                    message = choices[0].get("message")
+                    text = message.get("content") if type(message) is dict else choices[0].get("text")
+        if type(text) is not str:
+            return False
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return False
+        schema = call.schema
+        if schema is JSON_OBJECT:
+            return type(value) is dict
+        validator = self._validator(schema)
+        if validator is None:
+            return None
+        try:
+            return bool(validator.is_valid(value))
+        except Exception:  # an unresolvable $ref, an unknown format type: no verdict
+            return None
+
+    def _validator(self, schema: Any) -> Any:
+        key = _dumps(schema)
+        validator = self._validators.get(key)
+        if validator is None:
+            try:
+                cls = jsonschema.validators.validator_for(schema)
+                cls.check_schema(schema)
+                validator = cls(schema)
+            except jsonschema.exceptions.SchemaError:
+                return None
+            if len(self._validators) >= 256:
+                self._validators.clear()
+            self._validators[key] = validator
+        return validator
+
+    # --- everything else: passed through to the plain engine -------------------------------
+
+    def _plain_engine(self) -> str | None:
+        bundle = self.store.current
+        if bundle is not None and bundle.active.fallback_engine in self.sessions:
+            return bundle.active.fallback_engine
+        if "base" in self.sessions:
+            return "base"
+        return next(iter(self.sessions), None)
+
+    async def _passthrough(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
+        engine = self._plain_engine()
+        if engine is None:
+            await _problem(send, 502, "engine-not-configured", "Engine not configured",
+                           "this worker has no engine configured")
+            return
+        headers = [(name.decode("latin-1"), value.decode("latin-1"))
+                   for name, value in scope["headers"] if name not in _HOP]
+        path = scope.get("raw_path") or scope["path"].encode()
+        url = URL(self.engines[engine] + path.decode("latin-1") + (
+            "?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else ""), encoded=True)
+        try:
+            resp = await self.sessions[engine].request(scope["method"], url, data=body or None, headers=headers)
+        except _UPSTREAM_ERRORS as exc:
+            self.metrics.upstream_error(engine)
+            await _problem(send, 502, "upstream-unavailable", "Engine unavailable",
+                           f"engine {engine!r} failed before answering ({_failure_reason(exc)})")
+            return
+        watched = _Watched()
+        watcher = watched.watch(receive)
+        try:
+            out = [(name.lower(), value) for name, value in resp.raw_headers
+                   if name.lower() not in _RESP_DROP or name.lower() in (b"content-length", b"x-request-id")]
+            await send({"type": _START, "status": resp.status, "headers": out})
+            while True:
+                chunk = await resp.content.readany()
+                if not chunk:
+                    break
+                await send({"type": _BODY, "body": chunk, "more_body": True})
+            await send({"type": _BODY, "body": b""})
+        except _UPSTREAM_ERRORS:
+            # the response has started: nothing to retry; end it unfinished so the client sees the break
+            self.metrics.upstream_error(engine)
+            resp.close()
+        except asyncio.CancelledError:
+            resp.close()
+            if not watched.disconnected:
+                raise
+            _uncancel()
+        finally:
+            watched.unwatch(watcher)
+            resp.release()
+
+    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
+        message = await receive()
+        body = message.get("body", b"")
+        if not message.get("more_body"):
+            return body if message["type"] == "http.request" else None
+        chunks = [body]
+        size = len(body)
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                self.metrics.reject("too_large")
+                await _problem(send, 413, "too-large", "Request body too large",
+                               f"the request body exceeds {self.max_body_bytes} bytes")
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+async def _respond(send: Send, status: int, body: bytes, content_type: bytes,
+                   extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(_H_CONTENT_TYPE, content_type), (_H_CONTENT_LENGTH, b"%d" % len(body))]
+    if extra:
+        headers.extend(extra)
+    await send({"type": _START, "status": status, "headers": headers})
+    await send({"type": _BODY, "body": body})
+
+
+async def _problem(send: Send, status: int, slug: str, title: str, detail: str,
+                   extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps({"type": PROBLEM_BASE + slug, "title": title, "status": status, "detail": detail}).encode()
+    await _respond(send, status, body, b"application/problem+json", extra)
+
+
+def _uncancel() -> None:
+    """Undo the cancel our own disconnect watcher requested, so the task can finish normally."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
+def _utc(wall: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(wall, dt.UTC)
+
+
+def build_app(settings: SidecarSettings, store: PolicyStore, exporter: Exporter, *,
+              on_event: Callable[[TelemetryEvent], None] | None = None,
+              expose_engine_metrics: bool = False) -> SidecarApp:
+    """The sidecar's ASGI app; its lifespan opens the engine sessions and starts the engine scraper."""
+    return SidecarApp(settings, store, exporter, on_event=on_event, expose_engine_metrics=expose_engine_metrics)
+
+
+__all__ = ["SidecarApp", "build_app"]

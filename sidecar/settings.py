@@ -1,0 +1,42 @@
+"""Settings of the sidecar deployable (environment prefix ``SPECGATE_``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SidecarSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="ignore")
+
+    control_plane: str = Field(default="http://127.0.0.1:8080", description="control plane base URL")
+    key: str = Field(default="", description="worker API key (sgk_...)")
+    worker_id: str = Field(default="", description="defaults to HOST:PORT of --listen")
+    pool: str = "default"
+    labels: dict[str, str] = Field(default_factory=dict)
+    # name -> base URL of that engine variant's OpenAI-compatible server
+    engines: dict[str, str] = Field(default_factory=dict)
+    listen: str = "127.0.0.1:9000"
+    # route table: request path or model name -> route, used when neither the
+    # X-Specgate-Route header nor metadata.route names one
+    routes: dict[str, str] = Field(default_factory=dict)
+    public_keys: list[str] = Field(default_factory=list, description="trusted bundle keys (base64)")
+    state_dir: Path = Field(default=Path(".specgate/sidecar"), description="last-known-good bundle, spool")
+    long_poll_s: float = Field(default=30.0, gt=0, le=300)
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    telemetry_batch_size: int = Field(default=200, ge=1, le=10_000)
+    telemetry_flush_s: float = Field(default=1.0, gt=0)
+    spool_max_events: int = Field(default=1_000_000, ge=1000)
+    upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
+    upstream_read_timeout_s: float = Field(default=600.0, gt=0)
+    engine_metrics_s: float = Field(default=0.5, gt=0, description="how often to scrape vllm:num_requests_running")
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("listen must be HOST:PORT, e.g. 127.0.0.1:9000")
+        return value

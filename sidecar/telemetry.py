@@ -1,0 +1,504 @@
+"""Shipping telemetry events to the control plane, never blocking requests and never losing events quietly.
+
+Requests hand events to :meth:`TelemetryExporter.submit`, which only appends
+to an in-memory queue. One sender task turns the queue into batches
+(``TelemetryBatch``, a fresh ``batch_id`` each) every ``telemetry_flush_s`` or
+as soon as ``telemetry_batch_size`` events wait, and POSTs them gzip-compressed
+to ``/v1/telemetry/batches``.
+
+When the control plane cannot take a batch now (network error, timeout, 5xx,
+408, 429, and 401/403/404, which describe the deployment rather than the
+batch), the batch goes to the on-disk spool as it is, batch id included, so a
+batch that did arrive before its answer was lost is deduplicated by the
+control plane when it is sent again. While the control plane is failing,
+new batches go straight to the spool; spooled batches are retried oldest first
+with exponential backoff and jitter, and they survive a restart. The spool is
+bounded by ``spool_max_events``: when full, its oldest batches are dropped.
+
+A batch the control plane refuses as such (other 4xx) is dropped; one that is
+too large (413) is split in two and each half sent. A 2xx answer may list
+refused events (``{"rejected": [{"index": 3, ...}, ...]}`` or a list of
+indexes); those count as dropped, the rest as sent.
+
+Every event ends up counted exactly once: ``queued + recovered == sent +
+dropped + queue_depth()`` at all times (``recovered``: events found in the
+spool at start, left by an earlier run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import gzip
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from sidecar.events import TelemetryBatch, TelemetryEvent
+from sidecar.settings import SidecarSettings
+from sidecar.support import Backoff, fsync_dir, wait_event, write_atomic
+
+log = logging.getLogger("specgate.sidecar.telemetry")
+
+SPOOL_DIR = "spool"
+SPOOL_SUFFIX = ".json.gz"
+BATCHES_PATH = "/v1/telemetry/batches"
+# Statuses that say "not now" rather than "not this batch": the batch is kept and retried.
+RETRY_STATUSES = frozenset({401, 403, 404, 408, 425, 429})
+
+
+class _Outcome(enum.Enum):
+    SENT = "sent"
+    RETRY = "retry"
+    REJECTED = "rejected"
+    SPLIT = "split"
+
+
+@dataclass(slots=True)
+class _Batch:
+    batch_id: str
+    count: int
+    body: bytes  # gzip-compressed JSON of a TelemetryBatch
+
+
+def _spool_name(batch: _Batch, seq: int) -> str:
+    # Sorting names sorts batches oldest first, also across restarts (the clock goes on).
+    return f"{time.time_ns():020d}-{seq:06d}-{batch.batch_id}-{batch.count}{SPOOL_SUFFIX}"
+
+
+def _parse_spool_name(name: str) -> tuple[str, int] | None:
+    if not name.endswith(SPOOL_SUFFIX) or name.startswith("."):
+        return None
+    parts = name[: -len(SPOOL_SUFFIX)].split("-")
+    if len(parts) != 4 or not parts[3].isdigit() or not parts[2]:
+        return None
+    return parts[2], int(parts[3])
+
+
+def _rejected_count(answer: bytes, count: int) -> tuple[int, list[Any]]:
+    """How many events a 2xx answer says were refused, and the first few reasons."""
+    try:
+        data = json.loads(answer)
+    except ValueError:
+        return 0, []
+    if not isinstance(data, dict):
+        return 0, []
+    rejected = data.get("rejected")
+    if isinstance(rejected, int) and not isinstance(rejected, bool):
+        return max(0, min(rejected, count)), []
+    if not isinstance(rejected, list):
+        return 0, []
+    indexes: set[int] = set()
+    for item in rejected:
+        index = item.get("index") if isinstance(item, dict) else item
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < count:
+            indexes.add(index)
+    return len(indexes), rejected[:3]
+
+
+class TelemetryExporter:
+    """Batches, sends, spools and retries telemetry events (see the module docs).
+
+    ``submit`` is meant to be called on the event loop the exporter runs on;
+    calls from other threads are tolerated. ``start`` and ``stop`` are
+    coroutines of that loop.
+    """
+
+    def __init__(self, settings: SidecarSettings, session: aiohttp.ClientSession | None = None, *,
+                 memory_max_events: int | None = None, retry_base_s: float = 0.5, retry_max_s: float = 10.0,
+                 request_timeout_s: float = 10.0) -> None:
+        self.worker_id = settings.worker_id or settings.listen
+        self._url = settings.control_plane.rstrip("/") + BATCHES_PATH
+        self._auth = {"Authorization": f"Bearer {settings.key}"} if settings.key else {}
+        self._batch_size = settings.telemetry_batch_size
+        self._flush_s = settings.telemetry_flush_s
+        self._spool_dir = Path(settings.state_dir) / SPOOL_DIR
+        self._spool_max = settings.spool_max_events
+        self._memory_max = memory_max_events or max(10 * self._batch_size, 10_000)
+        # Past this, events are dropped at submit: only reached when even the spool cannot keep up.
+        self._hard_max = 4 * self._memory_max
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._session = session
+        self._own_session = session is None
+        self._backoff = Backoff(retry_base_s, retry_max_s)
+        self._retry_at = 0.0
+        self._memory: deque[TelemetryEvent] = deque()
+        self._spool: deque[tuple[Path, int]] = deque()  # oldest first
+        self._spool_events = 0
+        self._spool_seq = 0
+        self._spool_lock = asyncio.Lock()
+        self._sending: Path | None = None
+        self._in_flight = 0  # taken from memory, not yet sent, spooled or dropped
+        self._counters = {"queued": 0, "recovered": 0, "sent": 0, "spooled": 0, "retried": 0, "dropped": 0,
+                          "batches_sent": 0, "batches_rejected": 0, "send_failures": 0}
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._spill_task: asyncio.Task[None] | None = None
+        self._post_task: asyncio.Task[tuple[_Outcome, int]] | None = None
+        self._stopping = False
+        self._offline = False  # set when stopping: no more network, everything left goes to the spool
+        self._last_flush = time.monotonic()
+
+    # --- the request path ----------------------------------------------------------------
+
+    def submit(self, event: TelemetryEvent) -> None:
+        """Queue one event; never blocks, never raises."""
+        try:
+            self._counters["queued"] += 1
+            if not isinstance(event, TelemetryEvent):
+                self._counters["dropped"] += 1
+                log.error("not a TelemetryEvent, dropped: %r", type(event))
+                return
+            self._memory.append(event)
+            depth = len(self._memory)
+            if depth >= self._batch_size:
+                self._signal(self._wake.set)
+            if depth > self._memory_max:
+                self._signal(self._request_spill)
+            while len(self._memory) > self._hard_max:
+                self._memory.popleft()
+                self._counters["dropped"] += 1
+        except Exception:  # telemetry must never fail a request
+            log.exception("telemetry event not queued")
+
+    def _signal(self, callback: Any) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        if threading.get_ident() == self._loop_thread:
+            callback()
+        else:
+            self._loop.call_soon_threadsafe(callback)
+
+    # --- what it reports ---------------------------------------------------------------------
+
+    def queue_depth(self) -> int:
+        """Events not yet delivered nor dropped: in memory, being sent, or in the spool."""
+        return len(self._memory) + self._in_flight + self._spool_events
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative event counts (queued, recovered, sent, spooled, retried, dropped), batch counts, gauges."""
+        return {**self._counters, "queue_depth": self.queue_depth(), "memory_events": len(self._memory),
+                "spool_events": self._spool_events, "spool_batches": len(self._spool)}
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._stopping = self._offline = False
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        await self._load_spool()
+        self._task = asyncio.create_task(self._run(), name="specgate-telemetry")
+        if len(self._memory) >= self._batch_size:
+            self._wake.set()
+
+    async def stop(self, flush: bool = True, timeout: float = 5.0) -> None:
+        """Deliver what is queued (``flush``) or spool it; whatever is left at ``timeout`` goes to the spool."""
+        task = self._task
+        if task is None:
+            return
+        self._stopping = True
+        if not flush:
+            self._offline = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            log.warning("telemetry flush did not finish in %.1f s; spooling the rest", timeout)
+            self._offline = True
+            if self._post_task is not None:
+                self._post_task.cancel()
+            try:
+                await asyncio.wait_for(asyncio.shield(task), max(timeout, 5.0))
+            except TimeoutError:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                log.error("telemetry exporter stopped with %d events unsaved", len(self._memory) + self._in_flight)
+        if self._spill_task is not None:
+            await asyncio.gather(self._spill_task, return_exceptions=True)
+        self._task = None
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+        log.info("telemetry exporter stopped: %s", self.counters())
+
+    # --- the sender --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        self._last_flush = time.monotonic()
+        while True:
+            if not self._stopping:
+                now = time.monotonic()
+                retry_due = bool(self._spool) and not self._is_down(now)
+                if len(self._memory) < self._batch_size and not retry_due:
+                    wake_at = self._last_flush + self._flush_s
+                    if self._spool:
+                        wake_at = min(wake_at, self._retry_at)
+                    await wait_event(self._wake, wake_at - now)
+                self._wake.clear()
+            final = self._stopping
+            try:
+                await self._pump(final)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("telemetry sender step failed")
+                await asyncio.sleep(min(self._flush_s, 1.0))
+            if final:
+                return
+
+    def _is_down(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self._retry_at
+
+    async def _pump(self, final: bool) -> None:
+        now = time.monotonic()
+        flush_all = final or now - self._last_flush >= self._flush_s
+        if self._spool and not final and not self._is_down(now):
+            await self._drain_spool()
+        while self._memory and (flush_all or len(self._memory) >= self._batch_size):
+            await self._ship(await self._take())
+        if flush_all:
+            self._last_flush = time.monotonic()
+
+    async def _take(self) -> _Batch:
+        n = min(self._batch_size, len(self._memory))
+        events = [self._memory.popleft() for _ in range(n)]
+        self._in_flight += n
+        try:
+            return await asyncio.to_thread(self._encode, events)
+        except Exception:
+            self._in_flight -= n
+            self._counters["dropped"] += n
+            raise
+
+    def _encode(self, events: list[TelemetryEvent], batch_id: str | None = None) -> _Batch:
+        batch = TelemetryBatch(batch_id=batch_id or uuid.uuid4().hex, worker_id=self.worker_id, events=events)
+        return _Batch(batch.batch_id, len(events), gzip.compress(batch.model_dump_json().encode(), 6))
+
+    def _split(self, batch: _Batch) -> list[_Batch]:
+        data = json.loads(gzip.decompress(batch.body))
+        events = [TelemetryEvent.model_validate(e) for e in data["events"]]
+        half = len(events) // 2
+        out = []
+        for i, part in enumerate((events[:half], events[half:])):
+            new_id = f"{batch.batch_id}.{i}"
+            if len(new_id) > 64:
+                new_id = hashlib.sha256(new_id.encode()).hexdigest()[:32]
+            out.append(self._encode(part, new_id))
+        return out
+
+    async def _ship(self, batch: _Batch) -> None:
+        """Deliver a batch counted in ``_in_flight``: send it, or spool it when the control plane cannot take it."""
+        if self._offline or self._is_down():
+            await self._spool_write(batch)
+            return
+        outcome, rejected = await self._post(batch)
+        if outcome is _Outcome.SPLIT:
+            for half in await asyncio.to_thread(self._split, batch):
+                await self._ship(half)
+            return
+        if outcome is _Outcome.RETRY:
+            self._mark_down()
+            await self._spool_write(batch)
+            return
+        self._in_flight -= batch.count
+        self._settle(outcome, batch.count, rejected)
+
+    def _settle(self, outcome: _Outcome, count: int, rejected: int) -> None:
+        if outcome is _Outcome.SENT:
+            self._counters["sent"] += count - rejected
+            self._counters["dropped"] += rejected
+            self._counters["batches_sent"] += 1
+            self._backoff.reset()
+            self._retry_at = 0.0
+        else:
+            self._counters["dropped"] += count
+            self._counters["batches_rejected"] += 1
+
+    def _mark_down(self) -> None:
+        delay = self._backoff.next()
+        self._retry_at = time.monotonic() + delay
+        self._counters["send_failures"] += 1
+        log.warning("telemetry: the control plane did not take a batch; spooling, next try in %.2f s", delay)
+
+    async def _post(self, batch: _Batch) -> tuple[_Outcome, int]:
+        if self._offline:
+            return _Outcome.RETRY, 0
+        self._post_task = asyncio.create_task(self._http_post(batch))
+        try:
+            return await self._post_task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            return _Outcome.RETRY, 0  # only the request was cancelled (stop ran out of time)
+        finally:
+            self._post_task = None
+
+    async def _http_post(self, batch: _Batch) -> tuple[_Outcome, int]:
+        assert self._session is not None
+        headers = {**self._auth, "Content-Type": "application/json", "Content-Encoding": "gzip",
+                   "Idempotency-Key": batch.batch_id}
+        try:
+            async with self._session.post(self._url, data=batch.body, headers=headers,
+                                          timeout=self._timeout) as resp:
+                status, answer = resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.debug("telemetry batch %s: %s", batch.batch_id, exc)
+            return _Outcome.RETRY, 0
+        except Exception:  # anything else is kept for a retry too, never lost
+            log.exception("telemetry batch %s could not be sent", batch.batch_id)
+            return _Outcome.RETRY, 0
+        if 200 <= status < 300:
+            rejected, reasons = _rejected_count(answer, batch.count)
+            if rejected:
+                log.warning("telemetry batch %s: %d of %d events refused, e.g. %s", batch.batch_id, rejected,
+                            batch.count, reasons)
+            return _Outcome.SENT, rejected
+        if status >= 500 or status in RETRY_STATUSES:
+            log.debug("telemetry batch %s: HTTP %d", batch.batch_id, status)
+            return _Outcome.RETRY, 0
+        if status == 413 and batch.count > 1:
+            return _Outcome.SPLIT, 0
+        log.error("telemetry batch %s of %d events refused (HTTP %d): %s", batch.batch_id, batch.count, status,
+                  answer[:500].decode("utf-8", "replace"))
+        return _Outcome.REJECTED, 0
+
+    # --- the spool -----------------------------------------------------------------------------
+
+    async def _load_spool(self) -> None:
+        def scan() -> list[tuple[Path, int]]:
+            self._spool_dir.mkdir(parents=True, exist_ok=True)
+            found = []
+            for path in self._spool_dir.iterdir():
+                if path.name.startswith(".") and path.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)  # a write that a crash interrupted
+                    continue
+                parsed = _parse_spool_name(path.name)
+                if parsed is not None:
+                    found.append((path, parsed[1]))
+            return sorted(found)
+
+        async with self._spool_lock:
+            found = await asyncio.to_thread(scan)
+            known = {p for p, _ in self._spool}
+            for path, count in found:
+                if path not in known:
+                    self._spool.append((path, count))
+                    self._spool_events += count
+                    self._counters["recovered"] += count
+            await self._trim_spool()
+        if found:
+            log.info("telemetry spool holds %d events in %d batches from before; resending them",
+                     self._spool_events, len(self._spool))
+
+    async def _spool_write(self, batch: _Batch) -> None:
+        """Move a batch counted in ``_in_flight`` into the spool (or count it dropped when the disk fails)."""
+        async with self._spool_lock:
+            self._spool_seq += 1
+            path = self._spool_dir / _spool_name(batch, self._spool_seq)
+            try:
+                await asyncio.to_thread(write_atomic, path, batch.body)
+            except OSError as exc:
+                self._in_flight -= batch.count
+                self._counters["dropped"] += batch.count
+                log.error("telemetry: cannot spool %d events (%s); dropped", batch.count, exc)
+                return
+            self._spool.append((path, batch.count))
+            self._spool_events += batch.count
+            self._in_flight -= batch.count
+            self._counters["spooled"] += batch.count
+            await self._trim_spool()
+
+    async def _trim_spool(self) -> None:
+        """Drop the oldest batches while the spool holds more than ``spool_max_events`` (lock held)."""
+        victims = []
+        for entry in list(self._spool):
+            if self._spool_events <= self._spool_max:
+                break
+            if entry[0] == self._sending:
+                continue
+            self._spool.remove(entry)
+            self._spool_events -= entry[1]
+            self._counters["dropped"] += entry[1]
+            victims.append(entry)
+        if victims:
+            log.warning("telemetry spool full (%d events): dropped the %d oldest events", self._spool_max,
+                        sum(n for _, n in victims))
+            await asyncio.to_thread(_unlink_all, [p for p, _ in victims])
+
+    async def _drain_spool(self) -> None:
+        """Resend spooled batches oldest first until the spool is empty or the control plane fails again."""
+        while self._spool and not self._offline:
+            path, count = entry = self._spool[0]
+            parsed = _parse_spool_name(path.name)
+            self._sending = path
+            try:
+                body = await asyncio.to_thread(path.read_bytes)
+            except OSError as exc:
+                log.error("telemetry: spooled batch %s unreadable (%s); dropped", path.name, exc)
+                body = None
+            try:
+                if body is None or parsed is None:
+                    outcome, rejected = _Outcome.REJECTED, 0
+                else:
+                    self._counters["retried"] += count
+                    outcome, rejected = await self._post(_Batch(parsed[0], count, body))
+                if outcome is _Outcome.RETRY:
+                    self._mark_down()
+                    return
+                split = outcome is _Outcome.SPLIT and body is not None and parsed is not None
+                async with self._spool_lock:
+                    # Still there: the trim skips the batch being sent. The counters move in one step
+                    # (no await in between), so queued == sent + dropped + queue_depth() at every await.
+                    self._spool.remove(entry)
+                    self._spool_events -= count
+                    if split:
+                        self._in_flight += count
+                    else:
+                        self._settle(outcome, count, rejected)
+                    await asyncio.to_thread(_unlink_all, [path])
+            finally:
+                self._sending = None
+            if split and body is not None and parsed is not None:
+                for half in await asyncio.to_thread(self._split, _Batch(parsed[0], count, body)):
+                    await self._ship(half)
+
+    # --- the memory bound ------------------------------------------------------------------------
+
+    def _request_spill(self) -> None:
+        if self._task is None or self._offline:
+            return
+        if self._spill_task is None or self._spill_task.done():
+            self._spill_task = asyncio.get_running_loop().create_task(self._spill(), name="specgate-telemetry-spill")
+
+    async def _spill(self) -> None:
+        """The sender is held up (a slow control plane) and memory fills: move the oldest events to disk."""
+        spilled = 0
+        while len(self._memory) > self._memory_max // 2:
+            batch = await self._take()
+            await self._spool_write(batch)
+            spilled += batch.count
+        if spilled:
+            log.warning("telemetry queue over %d events in memory: spilled %d to the spool", self._memory_max, spilled)
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+    if paths:
+        fsync_dir(paths[0].parent)

@@ -1,0 +1,1 @@
+"""Tests of the sidecar request path (classification, proxy, telemetry, metrics)."""

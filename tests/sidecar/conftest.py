@@ -1,0 +1,161 @@
+"""The sidecar harness: fake engines and real sidecars (uvicorn, uvloop, httptools) on a background loop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import uvicorn
+import uvloop
+
+import policies
+from sidecar.events import TelemetryEvent
+from sidecar.proxy import SidecarApp, build_app
+from sidecar.settings import SidecarSettings
+from tests.sidecar.fake_upstream import FakeEngine
+
+T = TypeVar("T")
+SEED = Path(__file__).resolve().parents[2] / "policies" / "examples" / "seed.yaml"
+
+
+def seed_bundle(*, kill_switch: bool = False) -> policies.CompiledBundle:
+    revision = policies.Revision.of(policies.load_policy(SEED.read_text()))
+    return policies.CompiledBundle(policies.BundlePayload(revision, kill_switch=kill_switch))
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+class LoopThread:
+    """A uvloop event loop in a daemon thread; servers live there, tests talk to them over TCP."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class RecordingExporter:
+    """The exporter interface (``submit``, optional ``queue_depth``), recording into a list."""
+
+    def __init__(self) -> None:
+        self.events: list[TelemetryEvent] = []
+
+    def submit(self, event: TelemetryEvent) -> None:
+        self.events.append(event)
+
+    def queue_depth(self) -> int:
+        return 7
+
+    def wait(self, count: int, timeout: float = 5.0) -> list[TelemetryEvent]:
+        wait_for(lambda: len(self.events) >= count, timeout)
+        return self.events
+
+    def one(self) -> TelemetryEvent:
+        self.wait(1)
+        time.sleep(0.02)  # a second event would be a bug: give it the chance to show
+        assert len(self.events) == 1, self.events
+        return self.events[0]
+
+
+class Sidecar:
+    def __init__(self, loop: LoopThread, app: SidecarApp, store: policies.PolicyStore,
+                 exporter: RecordingExporter, hooked: list[TelemetryEvent]) -> None:
+        self.loop = loop
+        self.app = app
+        self.store = store
+        self.exporter = exporter
+        self.hooked = hooked
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, lifespan="on", http="httptools", access_log=False, log_level="critical")
+        self.server = uvicorn.Server(config)
+        self.future = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[sock]), loop.loop)
+        wait_for(lambda: self.server.started or self.future.done())
+        assert self.server.started
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.future.result(10)
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="session")
+def _engines(loop_thread: LoopThread) -> Iterator[tuple[FakeEngine, FakeEngine]]:
+    draft, base = FakeEngine("draft", speculative=True), FakeEngine("base")
+    loop_thread.run(draft.start())
+    loop_thread.run(base.start())
+    yield draft, base
+    loop_thread.run(draft.stop())
+    loop_thread.run(base.stop())
+
+
+@pytest.fixture
+def draft(_engines: tuple[FakeEngine, FakeEngine]) -> FakeEngine:
+    _engines[0].reset()
+    return _engines[0]
+
+
+@pytest.fixture
+def base(_engines: tuple[FakeEngine, FakeEngine]) -> FakeEngine:
+    _engines[1].reset()
+    return _engines[1]
+
+
+SidecarFactory = Callable[..., Sidecar]
+
+
+@pytest.fixture
+def make_sidecar(loop_thread: LoopThread, draft: FakeEngine, base: FakeEngine) -> Iterator[SidecarFactory]:
+    started: list[Sidecar] = []
+
+    def make(*, engines: dict[str, str] | None = None, bundle: policies.CompiledBundle | str | None = "seed",
+             on_event: Callable[[TelemetryEvent], None] | None = None, expose_engine_metrics: bool = False,
+             **settings: Any) -> Sidecar:
+        values: dict[str, Any] = {"worker_id": "w1", "pool": "gpu-a", "engine_metrics_s": 60.0,
+                                  "engines": {"draft": draft.url, "base": base.url} if engines is None else engines}
+        values.update(settings)
+        store = policies.PolicyStore(seed_bundle() if bundle == "seed" else bundle)  # type: ignore[arg-type]
+        exporter = RecordingExporter()
+        hooked: list[TelemetryEvent] = []
+
+        def hook(event: TelemetryEvent) -> None:
+            hooked.append(event)
+            if on_event is not None:
+                on_event(event)
+
+        app = build_app(SidecarSettings(**values), store, exporter, on_event=hook,
+                        expose_engine_metrics=expose_engine_metrics)
+        sidecar = Sidecar(loop_thread, app, store, exporter, hooked)
+        started.append(sidecar)
+        return sidecar
+
+    yield make
+    for sidecar in started:
+        sidecar.stop()

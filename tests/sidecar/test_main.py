@@ -1,0 +1,187 @@
+"""The wiring: the ``specgate sidecar`` command, the Sidecar object, and a real run stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+import sidecar.main
+from controlplane.cli import app as specgate
+from policies import PolicyStore
+from sidecar.main import Sidecar, resolve_worker_id
+from sidecar.otel import OTelHook, OTelRuntime
+from sidecar.settings import SidecarSettings
+from sidecar.sync import PolicySync
+from sidecar.telemetry import TelemetryExporter
+from tests.controlplane.live import free_port
+from tests.sidecar.test_sync import ControlPlane
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[SidecarSettings]:
+    seen: list[SidecarSettings] = []
+    monkeypatch.setattr(sidecar.main, "run", lambda settings, log_level="info": seen.append(settings))
+    for name in list(os.environ):
+        if name.startswith("SPECGATE_"):
+            monkeypatch.delenv(name)
+    return seen
+
+
+def test_the_command_builds_settings_from_options_over_the_environment(
+        captured: list[SidecarSettings], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECGATE_POOL", "gpu-a")
+    monkeypatch.setenv("SPECGATE_KEY", "sgk_from_env")
+    monkeypatch.setenv("SPECGATE_ENGINES", '{"base": "http://env:1"}')
+    result = CliRunner().invoke(specgate, [
+        "sidecar", "--control-plane", "http://cp:8080", "--key", "sgk_flag", "--engine", "base=http://e:8000",
+        "--engine", "draft=http://e:8001", "--listen", "0.0.0.0:9100", "--label", "zone=eu", "--label", "gpu=h100",
+        "--route", "/v1/completions=batch", "--route", "llama=chat", "--state-dir", str(tmp_path),
+        "--public-key", "AAAA", "--worker-id", "w-7"])
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    assert settings.control_plane == "http://cp:8080"
+    assert settings.key == "sgk_flag"
+    assert settings.engines == {"base": "http://e:8000", "draft": "http://e:8001"}
+    assert settings.pool == "gpu-a"  # not given: from the environment
+    assert settings.labels == {"zone": "eu", "gpu": "h100"}
+    assert settings.routes == {"/v1/completions": "batch", "llama": "chat"}
+    assert settings.state_dir == tmp_path
+    assert settings.public_keys == ["AAAA"]
+    assert settings.worker_id == "w-7"
+    assert settings.listen == "0.0.0.0:9100"
+
+    captured.clear()
+    assert CliRunner().invoke(specgate, ["sidecar"]).exit_code == 0  # everything from the environment
+    assert captured[0].engines == {"base": "http://env:1"}
+    assert captured[0].key == "sgk_from_env"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--engine", "base"], "--engine must be NAME=URL"),
+    (["--engine", "base=http://e:1", "--listen", "nowhere"], "listen"),
+    (["--engine", "base=http://e:1", "--key", ""], "no worker key"),
+    (["--key", "k"], "no engines"),
+])
+def test_bad_options_exit_2_and_say_why(captured: list[SidecarSettings], args: list[str], message: str) -> None:
+    result = CliRunner().invoke(specgate, ["sidecar", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert captured == []
+
+
+def test_worker_id_defaults_to_the_listen_address() -> None:
+    assert resolve_worker_id(SidecarSettings(listen="10.1.2.3:9000")) == "10.1.2.3:9000"
+    assert resolve_worker_id(SidecarSettings(listen="0.0.0.0:9000")) == f"{socket.gethostname()}:9000"
+    assert resolve_worker_id(SidecarSettings(listen="0.0.0.0:9000", worker_id="w1")) == "w1"
+
+
+def test_the_sidecar_object_wires_store_sync_exporter_and_hook(tmp_path: Path) -> None:
+    built: dict[str, Any] = {}
+
+    def stand_in(settings: SidecarSettings, store: PolicyStore, exporter: TelemetryExporter, *,
+                 on_event: Any = None) -> Any:
+        built.update(settings=settings, store=store, exporter=exporter, on_event=on_event)
+
+        class App:  # a trivial ASGI stand-in that reports in-flight requests like the proxy does
+            class inflight:
+                count = 4
+
+            async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+                raise AssertionError("not called here")
+
+        return App()
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    hook = OTelHook(TracerProvider(), MeterProvider())
+    settings = SidecarSettings(listen="127.0.0.1:9555", state_dir=tmp_path, engines={"base": "http://e:1"})
+    car = Sidecar(settings, app_factory=stand_in, otel=OTelRuntime(hook, []))
+    assert built["settings"].worker_id == "127.0.0.1:9555" == car.sync.worker_id == car.exporter.worker_id
+    assert built["store"] is car.store is car.sync.store
+    assert built["exporter"] is car.exporter
+    assert built["on_event"] == hook.on_event
+    assert isinstance(car.sync, PolicySync)
+    assert car._in_flight() == 4
+    # Without an OTLP endpoint there is no hook at all.
+    plain = Sidecar(settings, app_factory=stand_in)
+    assert plain.otel is None
+    assert built["on_event"] is None
+
+
+def test_a_real_sidecar_serves_reports_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
+    from controlplane.migrations_state import upgrade
+    from tests.controlplane.factories import seed_policy
+
+    url = f"sqlite:///{tmp_path / 'cp.db'}"
+    upgrade(url)
+    seed_policy(url)
+    cp = ControlPlane(url)
+    cp.start()
+    port = free_port()
+    state = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "OTEL_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli", "sidecar", "--control-plane", cp.base, "--key",
+         cp.worker_token, "--engine", "base=http://127.0.0.1:9", "--engine", "draft=http://127.0.0.1:9",
+         "--listen", f"127.0.0.1:{port}", "--state-dir", str(state), "--worker-id", "w-main"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the sidecar did not become ready"
+            time.sleep(0.05)
+
+        async def reported() -> dict[str, Any] | None:
+            for _ in range(100):
+                worker = await cp.worker("w-main")
+                if worker is not None and worker["active_etag"]:
+                    return worker
+                await asyncio.sleep(0.05)
+            return None
+
+        worker = asyncio.run(reported())
+        assert worker is not None
+        assert worker["converged"] is True
+        assert json.loads((state / "bundle.json").read_bytes())["etag"] == worker["active_etag"]
+
+        # A request through the real proxy (its engines are down) still makes one telemetry event.
+        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=10,
+                   json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]})
+
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, output
+        assert "sidecar stopped" in output
+        counters = ast.literal_eval(output.split("telemetry exporter stopped: ", 1)[1].splitlines()[0])
+        assert counters["queued"] == 1
+        # Nothing lost: delivered, or (no ingestion endpoint yet) spooled for the next start.
+        assert counters["sent"] + counters["spool_events"] == 1
+        assert counters["memory_events"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        cp.stop()
+

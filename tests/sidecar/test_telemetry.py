@@ -1,0 +1,409 @@
+"""TelemetryExporter against a test double of the (not yet built) ingestion endpoint.
+
+The double records batches, deduplicates them by ``batch_id`` as the control
+plane is specified to, and can be told to fail, to lose its answers, or to go
+down entirely and come back on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import gzip
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from sidecar.events import TelemetryBatch, TelemetryEvent
+from sidecar.settings import SidecarSettings
+from sidecar.telemetry import TelemetryExporter
+from tests.controlplane.live import free_port
+
+KEY = "sgk_test_worker"
+
+
+class IngestDouble:
+    """Test double of ``POST /v1/telemetry/batches`` (worker key, gzip JSON, idempotent by batch_id).
+
+    ``mode``: ``ok``; ``unavailable`` (503, nothing recorded); ``answer_lost`` (records the batch, then
+    answers 500, as if the answer never reached the sidecar); ``reject_odd`` (2xx listing the odd
+    indexes as refused); ``invalid`` (422 for the whole batch); ``unauthorized`` (401); ``small`` (413
+    for batches over 30 events); ``slow`` (answers after 0.3 s); ``hang`` (answers after 30 s).
+    """
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.mode = "ok"
+        self.batches: dict[str, list[str]] = {}  # batch_id -> event ids, first arrival only
+        self.accepted: list[str] = []  # event ids accepted, in arrival order
+        self.posts = 0
+        self.duplicates = 0
+        self.gzipped = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def up(self) -> bool:
+        return self._runner is not None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/telemetry/batches", self.handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.posts += 1
+        if request.headers.get("Content-Encoding") == "gzip":
+            self.gzipped += 1
+        if request.headers.get("Authorization") != f"Bearer {KEY}" or self.mode == "unauthorized":
+            return web.json_response({"title": "unauthorized"}, status=401)
+        if self.mode == "unavailable":
+            return web.json_response({"title": "unavailable"}, status=503)
+        if self.mode == "slow":
+            await asyncio.sleep(0.3)
+        if self.mode == "hang":
+            await asyncio.sleep(30)
+        body = await request.read()
+        if body[:2] == b"\x1f\x8b":  # aiohttp's server may have decompressed it already
+            body = gzip.decompress(body)
+        batch = TelemetryBatch.model_validate_json(body)
+        if self.mode == "invalid":
+            return web.json_response({"title": "invalid batch"}, status=422)
+        if self.mode == "small" and len(batch.events) > 30:
+            return web.json_response({"title": "too large"}, status=413)
+        refused = [i for i in range(len(batch.events)) if i % 2] if self.mode == "reject_odd" else []
+        if batch.batch_id in self.batches:
+            self.duplicates += 1
+        else:
+            kept = [e.event_id for i, e in enumerate(batch.events) if i not in refused]
+            self.batches[batch.batch_id] = kept
+            self.accepted.extend(kept)
+        if self.mode == "answer_lost":
+            return web.json_response({"title": "lost"}, status=500)
+        return web.json_response({"batch_id": batch.batch_id, "accepted": len(batch.events) - len(refused),
+                                  "rejected": [{"index": i, "reason": "test"} for i in refused]}, status=202)
+
+
+def event(i: int = 0) -> TelemetryEvent:
+    return TelemetryEvent(
+        event_id=uuid.uuid4().hex, request_id=f"req-{i}", time=dt.datetime.now(dt.UTC), worker_id="w1",
+        pool="default", route="chat", model="llama", policy="seed", revision="r" * 64, rule="chat-low-batch",
+        engine="draft", decided_engine="draft", speculate=True, num_speculative_tokens=3, explored=False,
+        canary=False, kill_switch=False, batch_size=2, stream=False, structured_output=False, tools=False,
+        max_tokens=64, prompt_tokens=20, completion_tokens=40, ttft_ms=30.0, itl_ms=8.0, e2e_ms=350.0,
+        status="ok", http_status=200)
+
+
+def settings(ingest: IngestDouble, state: Path, **overrides: Any) -> SidecarSettings:
+    values: dict[str, Any] = {"control_plane": ingest.url, "key": KEY, "worker_id": "w1", "state_dir": state,
+                              "telemetry_batch_size": 100, "telemetry_flush_s": 0.05, **overrides}
+    return SidecarSettings(**values)
+
+
+def exporter_for(ingest: IngestDouble, state: Path, **overrides: Any) -> TelemetryExporter:
+    return TelemetryExporter(settings(ingest, state, **overrides), retry_base_s=0.05, retry_max_s=0.25)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def run(scenario: Awaitable[None]) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(scenario, 30)
+
+    asyncio.run(bounded())
+
+
+def balanced(exporter: TelemetryExporter) -> bool:
+    c = exporter.counters()
+    return c["queued"] + c["recovered"] == c["sent"] + c["dropped"] + exporter.queue_depth()
+
+
+def spool_files(state: Path) -> list[Path]:
+    return sorted(p for p in (state / "spool").iterdir() if p.name.endswith(".json.gz"))
+
+
+# --- the tests --------------------------------------------------------------------------------
+
+def test_every_event_arrives_exactly_once_across_failures_an_outage_and_lost_answers(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ingest = IngestDouble()
+        await ingest.start()
+        exporter = exporter_for(ingest, tmp_path / "state")
+        await exporter.start()
+        submitted: list[str] = []
+        # 5,000 events over about two seconds; the receiver misbehaves in phases meanwhile.
+        phases = {5: "answer_lost", 9: "ok", 12: "unavailable", 20: "down", 35: "up"}
+        for round_ in range(50):
+            change = phases.get(round_)
+            if change == "down":
+                await ingest.stop()
+            elif change == "up":
+                ingest.mode = "ok"
+                await ingest.start()
+            elif change is not None:
+                ingest.mode = change
+            for i in range(100):
+                e = event(i)
+                submitted.append(e.event_id)
+                exporter.submit(e)
+            assert balanced(exporter)
+            await asyncio.sleep(0.04)
+
+        await until(lambda: exporter.queue_depth() == 0)
+        counters = exporter.counters()
+        assert len(submitted) == 5000
+        assert sorted(ingest.accepted) == sorted(submitted)  # every event once, none twice
+        assert counters["queued"] == counters["sent"] == 5000
+        assert counters["dropped"] == 0
+        assert balanced(exporter)
+        assert counters["spooled"] > 0
+        assert counters["retried"] > 0
+        assert counters["send_failures"] > 0
+        # Lost answers made the exporter resend batches the receiver had: same batch id, deduplicated.
+        assert ingest.duplicates > 0
+        assert ingest.gzipped == ingest.posts
+        assert spool_files(tmp_path / "state") == []
+        await exporter.stop()
+        await ingest.stop()
+
+    run(scenario())
+
+
+def test_spooled_batches_survive_a_restart_and_are_sent_by_the_next_exporter(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+
+    async def scenario() -> None:
+        ingest = IngestDouble()  # not started: the control plane is down
+        first = exporter_for(ingest, state, telemetry_flush_s=60)
+        await first.start()
+        ids = []
+        for i in range(1050):
+            e = event(i)
+            ids.append(e.event_id)
+            first.submit(e)
+        await first.stop(flush=True, timeout=2)
+        assert first.counters()["sent"] == 0
+        assert first.counters()["spooled"] == 1050
+        assert first.queue_depth() == 1050
+        assert balanced(first)
+        assert sum(int(p.name.split("-")[3].split(".")[0]) for p in spool_files(state)) == 1050
+
+        await ingest.start()
+        second = exporter_for(ingest, state)
+        await second.start()
+        assert second.counters()["spool_events"] == second.counters()["recovered"] == 1050  # found on disk
+        assert balanced(second)
+        await until(lambda: second.queue_depth() == 0)
+        assert sorted(ingest.accepted) == sorted(ids)
+        assert second.counters()["sent"] == second.counters()["retried"] == 1050
+        assert spool_files(state) == []
+
+        # Stopping with the control plane up delivers what is still in memory (flush_s is far away).
+        last = [event(i) for i in range(10)]
+        for e in last:
+            second.submit(e)
+        await second.stop(flush=True, timeout=2)
+        assert ingest.accepted[-10:] == [e.event_id for e in last]
+        assert second.counters()["sent"] == 1060
+        assert second.queue_depth() == 0
+        assert balanced(second)
+        await ingest.stop()
+
+    run(scenario())
+
+
+def test_a_full_spool_drops_its_oldest_batches_and_counts_them(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+
+    async def scenario() -> None:
+        ingest = IngestDouble()  # down
+        exporter = exporter_for(ingest, state, spool_max_events=1000)
+        await exporter.start()
+        ids = []
+        for i in range(2500):
+            e = event(i)
+            ids.append(e.event_id)
+            exporter.submit(e)
+            if i % 100 == 99:
+                await asyncio.sleep(0.01)
+        await until(lambda: exporter.counters()["spooled"] == 2500)
+        counters = exporter.counters()
+        assert counters["spool_events"] == 1000
+        assert counters["dropped"] == 1500
+        assert balanced(exporter)
+        await until(lambda: len(spool_files(state)) == 10)  # the files of dropped batches are deleted
+
+        await ingest.start()
+        await until(lambda: exporter.queue_depth() == 0)
+        # What survived is the newest thousand.
+        assert sorted(ingest.accepted) == sorted(ids[1500:])
+        assert exporter.counters()["sent"] == 1000
+        assert balanced(exporter)
+        await exporter.stop()
+        await ingest.stop()
+
+    run(scenario())
+
+
+def test_refusals_drop_what_was_refused_and_nothing_else(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ingest = IngestDouble()
+        await ingest.start()
+        exporter = exporter_for(ingest, tmp_path / "state")
+        await exporter.start()
+
+        ingest.mode = "reject_odd"  # a 2xx naming refused events: partial success
+        for i in range(10):
+            exporter.submit(event(i))
+        await until(lambda: exporter.queue_depth() == 0)
+        assert exporter.counters()["sent"] == 5
+        assert exporter.counters()["dropped"] == 5
+        assert len(ingest.accepted) == 5
+
+        ingest.mode = "invalid"  # a 4xx for the batch as a whole: dropped, not spooled, not retried
+        for i in range(10):
+            exporter.submit(event(i))
+        await until(lambda: exporter.queue_depth() == 0)
+        c = exporter.counters()
+        assert c["dropped"] == 15
+        assert c["batches_rejected"] == 1
+        assert c["spooled"] == 0
+        assert c["retried"] == 0
+
+        ingest.mode = "small"  # 413: split in halves until the batches fit
+        ids = []
+        for i in range(100):
+            e = event(i)
+            ids.append(e.event_id)
+            exporter.submit(e)
+        await until(lambda: exporter.queue_depth() == 0)
+        assert sorted(ingest.accepted[5:]) == sorted(ids)
+        assert exporter.counters()["sent"] == 105
+        assert exporter.counters()["dropped"] == 15
+
+        ingest.mode = "unauthorized"  # a key problem says nothing about the batch: kept and retried
+        kept = [event(i) for i in range(10)]
+        for e in kept:
+            exporter.submit(e)
+        await until(lambda: exporter.counters()["spooled"] == 10)
+        ingest.mode = "ok"
+        await until(lambda: exporter.queue_depth() == 0)
+        assert ingest.accepted[-10:] == [e.event_id for e in kept]
+
+        exporter.submit("not an event")  # type: ignore[arg-type]
+        assert exporter.counters()["dropped"] == 16
+        assert balanced(exporter)
+        await exporter.stop()
+        await ingest.stop()
+
+    run(scenario())
+
+
+def test_memory_over_its_bound_spills_to_the_spool_while_the_control_plane_is_slow(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ingest = IngestDouble()
+        await ingest.start()
+        ingest.mode = "slow"
+        exporter = TelemetryExporter(settings(ingest, tmp_path / "state"), memory_max_events=300,
+                                     retry_base_s=0.05, retry_max_s=0.25)
+        await exporter.start()
+        ids = []
+        t0 = time.perf_counter()
+        for i in range(1000):
+            e = event(i)
+            ids.append(e.event_id)
+            exporter.submit(e)
+        assert time.perf_counter() - t0 < 0.5  # submit never waits for the network
+        # The sender is stuck in a slow POST; the spill moves the oldest events to disk meanwhile.
+        await until(lambda: exporter.counters()["memory_events"] <= 150, timeout=0.25)
+        assert exporter.counters()["spooled"] >= 700
+        assert balanced(exporter)
+        ingest.mode = "ok"
+        await until(lambda: exporter.queue_depth() == 0)
+        assert sorted(ingest.accepted) == sorted(ids)
+        assert exporter.counters()["dropped"] == 0
+        assert balanced(exporter)
+        await exporter.stop()
+        await ingest.stop()
+
+    run(scenario())
+
+
+def test_stop_spools_what_a_hanging_control_plane_did_not_take_in_time(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ingest = IngestDouble()
+        await ingest.start()
+        ingest.mode = "hang"
+        exporter = exporter_for(ingest, tmp_path / "state", telemetry_flush_s=60)
+        await exporter.start()
+        for i in range(150):
+            exporter.submit(event(i))
+        await until(lambda: ingest.posts == 1)  # the first full batch is stuck in its POST
+        t0 = time.perf_counter()
+        await exporter.stop(flush=True, timeout=0.3)
+        assert time.perf_counter() - t0 < 2
+        counters = exporter.counters()
+        assert counters["spooled"] == 150
+        assert counters["sent"] == 0
+        assert exporter.queue_depth() == 150
+        assert balanced(exporter)
+        assert len(spool_files(tmp_path / "state")) == 2
+        await ingest.stop()
+
+    run(scenario())
+
+
+def test_against_the_real_control_plane_through_an_outage(tmp_path: Path) -> None:
+    from sqlalchemy import func, select
+
+    from controlplane.migrations_state import upgrade
+    from controlplane.models import TelemetryEventRecord
+    from tests.controlplane.fleet_rows import session_for
+    from tests.sidecar.test_sync import ControlPlane
+
+    url = f"sqlite:///{tmp_path / 'cp.db'}"
+    upgrade(url)
+    cp = ControlPlane(url)
+    cp.start()
+
+    async def scenario() -> None:
+        values = {"control_plane": cp.base, "key": cp.worker_token, "worker_id": "w1", "state_dir": tmp_path / "s",
+                  "telemetry_batch_size": 100, "telemetry_flush_s": 0.05}
+        exporter = TelemetryExporter(SidecarSettings(**values), retry_base_s=0.05, retry_max_s=0.25)
+        await exporter.start()
+        for i in range(250):
+            exporter.submit(event(i))
+        await until(lambda: exporter.counters()["sent"] == 250)
+        await asyncio.to_thread(cp.stop)
+        for i in range(100):
+            exporter.submit(event(i))
+        await until(lambda: exporter.counters()["spool_events"] == 100)
+        await asyncio.to_thread(cp.start)
+        await until(lambda: exporter.queue_depth() == 0)
+        counters = exporter.counters()
+        assert counters["sent"] == 350
+        assert counters["dropped"] == 0
+        await exporter.stop()
+
+    try:
+        run(scenario())
+    finally:
+        cp.stop()
+    with session_for(url) as session:
+        assert session.scalar(select(func.count()).select_from(TelemetryEventRecord)) == 350
