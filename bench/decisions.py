@@ -43,8 +43,6 @@ import contextlib
 import gc
 import importlib.metadata
 import json
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -56,6 +54,7 @@ from types import MappingProxyType
 from typing import Any
 
 import policies
+from bench.machine import machine_facts
 from policies import CompiledPolicy, PolicyDocument, RequestShape, compile_policy, interpret, load_policy
 from policies.model import When
 
@@ -674,24 +673,13 @@ def goals(stats: dict[str, dict[str, Any]], rat: dict[str, dict[str, float]]) ->
 # --- reporting --------------------------------------------------------------------------
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     versions: dict[str, str | None] = {}
     for dist in ("pydantic", "cel-python", "lark", "UnleashClient", "yggdrasil-engine"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
-    return {
-        "python": sys.version.split()[0], "implementation": platform.python_implementation(),
-        "platform": platform.platform(), "cpu": cpu, "nproc": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "versions": versions,
-    }
+    return {**machine_facts(), "versions": versions}
 
 
 def format_table(stats: dict[str, dict[str, Any]]) -> str:

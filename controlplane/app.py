@@ -25,6 +25,7 @@ from controlplane.models import FleetState
 from controlplane.policy.endpoints import router as policy_router
 from controlplane.rollout.endpoints import router as rollout_router
 from controlplane.settings import ControlPlaneSettings
+from controlplane.telemetry.endpoints import router as telemetry_router
 from controlplane.worker.endpoints import router as worker_router
 from policies import SigningKey
 
@@ -141,6 +142,6 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     for router in (health_router, keys_router, audit_router, policy_router, rollout_router,
-                   worker_router, distribution_router):
+                   worker_router, distribution_router, telemetry_router):
         app.include_router(router)
     return app

@@ -21,6 +21,7 @@ import yaml
 
 from controlplane.auth.schemas import Scope
 from controlplane.settings import ControlPlaneSettings
+from controlplane.telemetry.cli import telemetry_app
 
 app = typer.Typer(help="specgate: per-request speculative decoding control plane.", no_args_is_help=True,
                   add_completion=False)
@@ -32,6 +33,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(killswitch_app, name="killswitch")
+app.add_typer(telemetry_app, name="telemetry")
 
 UrlOpt = Annotated[str, typer.Option("--url", envvar="SPECGATE_URL", help="control plane base URL")]
 KeyOpt = Annotated[str, typer.Option("--key", envvar="SPECGATE_KEY", help="API key (sgk_...)")]
@@ -196,16 +198,16 @@ def apply(file: Annotated[Path, typer.Option("-f", "--file", help="policy docume
     typer.echo(f"revision {revision['id'][:12]} (#{revision['seq']}) of {name} created")
     if head:
         diff = api.call("GET", f"/v1/policies/{name}/diff", params={"from": head, "to": revision["id"]}).json()
-        typer.echo(diff.get("diff", "").rstrip())
+        typer.echo(diff["unified"].rstrip())
 
 
 @rollout_app.command("start")
 def rollout_start(policy: str, revision: str,
+                  reason: Annotated[str, typer.Option(help="why (the API requires one)")],
                   steps: Annotated[str, typer.Option(help="percents, e.g. 10,50,100")] = "10,50,100",
                   mode: Annotated[str, typer.Option(help="workers or traffic")] = "traffic",
                   pool: Annotated[str | None, typer.Option()] = None,
                   label: Annotated[list[str] | None, typer.Option(help="k=v, repeatable")] = None,
-                  reason: Annotated[str, typer.Option()] = "",
                   as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """Start rolling REVISION of POLICY out."""
     try:
@@ -312,12 +314,18 @@ def workers(pool: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt
     """The fleet: which revision each worker runs and whether it converged."""
     api = Api(url, key)
     fleet = api.call("GET", "/v1/fleet").json()
-    listing = api.call("GET", "/v1/workers", params={"pool": pool} if pool else None).json()
+    items: list[dict[str, Any]] = []
+    params: dict[str, str] = {"pool": pool} if pool else {}
+    while True:  # every page: the API gives at most `limit` workers at a time
+        page = api.call("GET", "/v1/workers", params=params).json()
+        items.extend(page["items"])
+        if not page.get("next_cursor"):
+            break
+        params["cursor"] = page["next_cursor"]
     if as_json:
-        _print({"fleet": fleet, "workers": listing}, True)
+        _print({"fleet": fleet, "workers": items}, True)
         return
-    items = listing.get("items", listing) if isinstance(listing, dict) else listing
-    typer.echo(f"converged: {fleet.get('converged')}")
+    typer.echo(f"converged: {fleet['overall']['converged']}")
     for w in items:
         mark = "stale" if w.get("stale") else ("ok" if w.get("converged") else "converging")
         typer.echo(f"{w['id']:<32} pool={w['pool']:<16} etag={str(w.get('active_etag'))[:12]:<12} "

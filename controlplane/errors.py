@@ -9,11 +9,60 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from policies import FieldError
 
 PROBLEM_BASE = "https://specgate.dev/problems/"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+# What every error body looks like, for the OpenAPI document. Problems may carry more members
+# (current_head, state, active_revision, ...), so further properties are allowed.
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "instance": {"type": "string"},
+        "errors": {"type": "array", "items": {
+            "type": "object",
+            "required": ["path", "code", "message"],
+            "properties": {"path": {"type": "string"}, "in": {"type": "string"}, "code": {"type": "string"},
+                           "message": {"type": "string"}, "line": {"type": "integer"},
+                           "column": {"type": "integer"}},
+        }},
+    },
+}
+
+
+def problem_response(description: str, example: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An OpenAPI response whose body is a problem (for a route's ``responses=``)."""
+    content: dict[str, Any] = {"schema": PROBLEM_SCHEMA}
+    if example is not None:
+        content["example"] = example
+    return {"description": description, "content": {PROBLEM_MEDIA_TYPE: content}}
+
+
+def problems(descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """``problems({404: "no such rollout"})`` -> ``{404: problem_response("no such rollout")}``."""
+    return {status: problem_response(text) for status, text in descriptions.items()}
+
+
+# The responses most routes share. FastAPI would document 422 as its own HTTPValidationError in
+# application/json; the handler below answers problem+json, so routes with parameters declare this.
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: problem_response("missing, unknown or revoked API key"),
+    403: problem_response("the key's scope does not allow this"),
+}
+INVALID_RESPONSE: dict[int | str, dict[str, Any]] = {
+    422: problem_response("the request did not validate: each error with its path, code and message"),
+}
+TOO_LARGE_RESPONSE: dict[int | str, dict[str, Any]] = {
+    413: problem_response("the body exceeds SPECGATE_MAX_BODY_BYTES"),
+}
 
 
 class SpecgateError(Exception):
@@ -107,6 +156,23 @@ def _loc_to_path(loc: Sequence[Any]) -> str:
     return out
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE")
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path (Starlette's own 405 names only one route's)."""
+    allowed = [method for method in _METHODS
+               if any(route.matches({**request.scope, "method": method})[0] == Match.FULL
+                      for route in request.app.router.routes)]
+    return ", ".join(allowed)
+
+
+def _unreadable_body(exc: StarletteHTTPException) -> bool:
+    # FastAPI answers 400 when a JSON body cannot be decoded at all (bytes that are not UTF-8, nesting
+    # deeper than the parser's recursion limit); syntax errors it reports as 422 json_invalid.
+    return exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     def render(request: Request, exc: SpecgateError) -> JSONResponse:
         return JSONResponse(exc.to_problem(request.url.path), status_code=exc.status,
@@ -130,10 +196,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if _unreadable_body(exc):
+            # The same answer as for malformed JSON, and as POST .../revisions gives for these bodies.
+            return render(request, ValidationFailed("the body is not valid JSON", errors=[{
+                "path": "body", "in": "body", "code": "invalid_json",
+                "message": "not UTF-8 JSON, or nested too deeply"}]))
         problem = SpecgateError(str(exc.detail))
         problem.status = exc.status_code
         problem.type_slug = {404: "not-found", 405: "method-not-allowed"}.get(exc.status_code, "http")
         problem.title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")
+        problem.headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # A 405 must list the methods the resource supports (RFC 9110, 15.5.6).
+            problem.headers["Allow"] = _allowed_methods(request)
         return render(request, problem)
 
     @app.exception_handler(Exception)

@@ -19,6 +19,16 @@ class ControlPlaneMetrics:
         self.latency = Histogram("specgate_http_request_duration_seconds", "HTTP request latency",
                                  ["method", "route"], registry=self.registry,
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.telemetry_events = Counter("specgate_telemetry_events", "telemetry events received, by outcome: "
+                                        "stored, already_stored (an event id seen before), rejected",
+                                        ["outcome"], registry=self.registry)
+        self.telemetry_batches = Counter("specgate_telemetry_batches", "telemetry batches received: new, or "
+                                         "duplicate (a batch id seen before; nothing stored)",
+                                         ["outcome"], registry=self.registry)
+        for outcome in ("stored", "already_stored", "rejected"):
+            self.telemetry_events.labels(outcome)
+        for outcome in ("new", "duplicate"):
+            self.telemetry_batches.labels(outcome)
         self.registry.register(_HubCollector(hub))
         waiters = Gauge("specgate_long_poll_waiters", "long-polls and SSE streams waiting for a change",
                         registry=self.registry)

@@ -197,3 +197,147 @@ class FleetState(Base):
     kill_switch_changed_by: Mapped[str | None] = mapped_column(String(128))
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
     signing_key: Mapped[str | None] = mapped_column(Text)
+
+
+# --- telemetry (controlplane/telemetry) ---------------------------------------------------------
+
+class TelemetryBatchRecord(Base):
+    """One received telemetry batch: the idempotency record, written with its events.
+
+    A batch sent again (same ``batch_id``) is answered from this row and
+    stores nothing.
+    """
+
+    __tablename__ = "telemetry_batches"
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    worker_id: Mapped[str] = mapped_column(String(128))
+    sent_by: Mapped[str] = mapped_column(String(128))
+    received_at: Mapped[dt.datetime] = mapped_column(index=True)
+    event_count: Mapped[int] = mapped_column(Integer)
+    accepted: Mapped[int] = mapped_column(Integer)
+    stored: Mapped[int] = mapped_column(Integer)
+    # [{index, errors: [{path, code, message}]}], as first answered
+    rejected: Mapped[list[Any]] = mapped_column(JSON)
+
+
+class TelemetryEventRecord(Base):
+    """One request as the sidecar reported it: every field of ``sidecar.events.TelemetryEvent``."""
+
+    __tablename__ = "telemetry_events"
+    __table_args__ = (
+        Index("ix_telemetry_events_time", "time"),
+        Index("ix_telemetry_events_policy_time", "policy", "time"),
+        Index("ix_telemetry_events_revision_time", "revision", "time"),
+        Index("ix_telemetry_events_route_time", "route", "time"),
+        Index("ix_telemetry_events_engine_time", "engine", "time"),
+        Index("ix_telemetry_events_worker_time", "worker_id", "time"),
+    )
+
+    event_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128))
+    time: Mapped[dt.datetime] = mapped_column()
+    worker_id: Mapped[str] = mapped_column(String(128))
+    pool: Mapped[str] = mapped_column(String(128))
+    route: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(256))
+    policy: Mapped[str] = mapped_column(String(63))
+    revision: Mapped[str] = mapped_column(String(64))
+    rule: Mapped[str] = mapped_column(String(63))
+    engine: Mapped[str] = mapped_column(String(63))
+    decided_engine: Mapped[str] = mapped_column(String(63))
+    speculate: Mapped[bool] = mapped_column(Boolean)
+    num_speculative_tokens: Mapped[int] = mapped_column(Integer)
+    explored: Mapped[bool] = mapped_column(Boolean)
+    canary: Mapped[bool] = mapped_column(Boolean)
+    kill_switch: Mapped[bool] = mapped_column(Boolean)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[bool] = mapped_column(Boolean)
+    structured_output: Mapped[bool] = mapped_column(Boolean)
+    tools: Mapped[bool] = mapped_column(Boolean)
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    itl_ms: Mapped[float | None] = mapped_column(Float)
+    e2e_ms: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(32))
+    http_status: Mapped[int | None] = mapped_column(Integer)
+    retries: Mapped[int] = mapped_column(Integer)
+    fallback: Mapped[bool] = mapped_column(Boolean)
+    fallback_reason: Mapped[str | None] = mapped_column(String(200))
+    structured_valid: Mapped[bool | None] = mapped_column(Boolean)
+    spec_draft_tokens: Mapped[int | None] = mapped_column(Integer)
+    spec_accepted_tokens: Mapped[int | None] = mapped_column(Integer)
+    spec_acceptance_rate: Mapped[float | None] = mapped_column(Float)
+    spec_mean_acceptance_length: Mapped[float | None] = mapped_column(Float)
+    spec_steps: Mapped[int | None] = mapped_column(Integer)
+    engine_ttft_ms: Mapped[float | None] = mapped_column(Float)
+    engine_itl_ms: Mapped[float | None] = mapped_column(Float)
+    engine_queue_ms: Mapped[float | None] = mapped_column(Float)
+    # where it came from
+    batch_id: Mapped[str] = mapped_column(String(64))
+    received_at: Mapped[dt.datetime] = mapped_column()
+
+
+class TelemetryRollup(Base):
+    """Mergeable counters of the requests of one minute and one key.
+
+    Ingest adds to these in the transaction that stores the raw events, so a
+    rollup always equals the same aggregate over the raw events. Definitions
+    of every counter: ``controlplane.telemetry.rollup``.
+    """
+
+    __tablename__ = "telemetry_rollups"
+    __table_args__ = (
+        UniqueConstraint("minute", "policy", "revision", "route", "engine", "batch_bucket", "explored",
+                         name="uq_telemetry_rollups_key"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # the key
+    minute: Mapped[dt.datetime] = mapped_column()
+    policy: Mapped[str] = mapped_column(String(63))
+    revision: Mapped[str] = mapped_column(String(64))
+    route: Mapped[str] = mapped_column(String(128))
+    engine: Mapped[str] = mapped_column(String(63))
+    batch_bucket: Mapped[int] = mapped_column(Integer)  # controlplane.telemetry.buckets
+    explored: Mapped[bool] = mapped_column(Boolean)
+    # counts and sums
+    requests: Mapped[int] = mapped_column(BigInteger)
+    ok: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    client_disconnects: Mapped[int] = mapped_column(BigInteger)
+    fallbacks: Mapped[int] = mapped_column(BigInteger)
+    retries: Mapped[int] = mapped_column(BigInteger)
+    speculated: Mapped[int] = mapped_column(BigInteger)
+    structured_checked: Mapped[int] = mapped_column(BigInteger)
+    structured_valid: Mapped[int] = mapped_column(BigInteger)
+    spec_reported: Mapped[int] = mapped_column(BigInteger)
+    draft_tokens_sum: Mapped[int] = mapped_column(BigInteger)
+    accepted_tokens_sum: Mapped[int] = mapped_column(BigInteger)
+    spec_steps_sum: Mapped[int] = mapped_column(BigInteger)
+    spec_steps_count: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens_sum: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens_count: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens_sum: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens_count: Mapped[int] = mapped_column(BigInteger)
+    e2e_ms_sum: Mapped[float] = mapped_column(Float)
+    ttft_ms_sum: Mapped[float] = mapped_column(Float)
+    ttft_count: Mapped[int] = mapped_column(BigInteger)
+    itl_ms_sum: Mapped[float] = mapped_column(Float)
+    itl_count: Mapped[int] = mapped_column(BigInteger)
+    itl_weighted_ms_sum: Mapped[float] = mapped_column(Float)
+    itl_weighted_tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class TelemetryRollupHistogram(Base):
+    """One latency bucket of one rollup row (``controlplane.telemetry.histogram``); merged by adding."""
+
+    __tablename__ = "telemetry_rollup_histograms"
+
+    rollup_id: Mapped[int] = mapped_column(BigId, ForeignKey("telemetry_rollups.id", ondelete="CASCADE"),
+                                           primary_key=True, autoincrement=False)
+    metric: Mapped[str] = mapped_column(String(8), primary_key=True)  # ttft | itl | e2e
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(BigInteger)

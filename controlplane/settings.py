@@ -22,3 +22,8 @@ class ControlPlaneSettings(BaseSettings):
     long_poll_max_s: float = Field(default=60.0, gt=0, le=600)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     sse_keepalive_s: float = Field(default=15.0, gt=0)
+    telemetry_retention_days: int = Field(default=30, ge=1, le=3650,
+                                          description="`specgate telemetry purge` deletes telemetry older than this")
+    telemetry_ingest_concurrency: int = Field(default=4, ge=1, le=64,
+                                              description="telemetry batches one process writes at once "
+                                              "(PostgreSQL; SQLite writes one at a time)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -106,11 +107,25 @@ async def serve(settings: SidecarSettings, *, log_level: str = "info", app_facto
     sidecar = Sidecar(settings, app_factory=app_factory)
     await sidecar.start()
     server = uvicorn.Server(_uvicorn_config(sidecar.app, sidecar.settings, log_level))
+    _freeze_startup_objects()
     with _signals_end_serving():
         try:
             await server.serve()
         finally:
             await sidecar.stop()
+
+
+def _freeze_startup_objects() -> None:
+    """Keep the cyclic garbage collector off what start-up built (modules, settings, the compiled policy).
+
+    Those objects live as long as the process, yet every full (generation 2) collection walks them all. Under
+    load the request path's objects (held across awaits, telemetry events waiting for their batch) survive the
+    young generations fast enough to trigger a full collection about every half second, and walking the ~160k
+    start-up objects took 70-110 ms, during which every request in flight stalled (bench/proxy.py at
+    concurrency 64: p99 ~110 ms, ~16 ms with the freeze). Frozen objects are still freed by reference counting.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 @contextlib.contextmanager

@@ -14,22 +14,12 @@ import pytest
 from policies import RequestShape, canonical_document, compile_policy, load_policy, revision_id
 from policies.__main__ import main
 from policies.render import batch_size_schedule, vllm_serve_args
+from tests.policy_texts import INVALID_POLICY as INVALID
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "policies" / "examples").glob("*.yaml"))
 MULTI_ROUTE = ROOT / "policies" / "examples" / "multi-route.yaml"
 
-INVALID = """\
-apiVersion: specgate/v1
-name: broken
-engines:
-  base: {method: none}
-rules:
-  - name: r
-    when: {route: [chat], batch_size: {min: 9, max: 2}}
-    then: {engine: drfat}
-default: {engine: base}
-"""
 
 
 @pytest.fixture

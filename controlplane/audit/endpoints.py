@@ -3,22 +3,25 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query, Request
 
 from controlplane.audit.repository import AuditRepository
-from controlplane.audit.schemas import AuditEventRead, AuditPage
+from controlplane.audit.schemas import NO_NUL, AuditEventRead, AuditPage
 from controlplane.auth.dependencies import READ, require
 from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
+from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE
 
-router = APIRouter(prefix="/v1/audit", tags=["audit"])
+router = APIRouter(prefix="/v1/audit", tags=["audit"], responses=AUTH_RESPONSES)
 
 
-@router.get("", response_model=AuditPage)
+@router.get("", response_model=AuditPage, responses=INVALID_RESPONSE)
 def search(request: Request,
-           action: str | None = Query(None, max_length=64),
-           actor: str | None = Query(None, max_length=128),
-           target_type: str | None = Query(None, max_length=32),
-           target_id: str | None = Query(None, max_length=128),
-           q: str | None = Query(None, max_length=200, description="text in reason, action, actor or target"),
-           cursor: int | None = Query(None, ge=0, description="next_cursor of the previous page"),
+           action: str | None = Query(None, max_length=64, pattern=NO_NUL),
+           actor: str | None = Query(None, max_length=128, pattern=NO_NUL),
+           target_type: str | None = Query(None, max_length=32, pattern=NO_NUL),
+           target_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
+           q: str | None = Query(None, max_length=200, pattern=NO_NUL,
+                                 description="text in reason, action, actor or target"),
+           # Ids are signed 64-bit: a larger cursor would overflow the driver (a 500), not match nothing.
+           cursor: int | None = Query(None, ge=0, le=2**63 - 1, description="next_cursor of the previous page"),
            limit: int = Query(50, ge=1, le=500),
            _: Principal = Depends(require(*READ))) -> AuditPage:
     with unit_of_work(request.app.state.sessions) as session:

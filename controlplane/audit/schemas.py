@@ -5,6 +5,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+# PostgreSQL text cannot hold NUL: a filter with one is a 422, not a driver error.
+NO_NUL = r"^[^\x00]*$"
+
 
 class AuditEventRead(BaseModel):
     id: int

@@ -1,24 +1,25 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 
 from controlplane.auth.dependencies import ADMIN, require
 from controlplane.auth.repository import ApiKeyRepository
-from controlplane.auth.schemas import KeyCreate, KeyCreated, KeyRead
+from controlplane.auth.schemas import NO_NUL, KeyCreate, KeyCreated, KeyRead
 from controlplane.auth.service import Principal, create_key, revoke_key
 from controlplane.db import unit_of_work
+from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, problems
 
-router = APIRouter(prefix="/v1/keys", tags=["keys"])
+router = APIRouter(prefix="/v1/keys", tags=["keys"], responses=AUTH_RESPONSES)
 
 
-@router.post("", status_code=201, response_model=KeyCreated)
+@router.post("", status_code=201, response_model=KeyCreated, responses={**TOO_LARGE_RESPONSE, **INVALID_RESPONSE})
 def create(body: KeyCreate, request: Request, who: Principal = Depends(require(*ADMIN))) -> KeyCreated:
     with unit_of_work(request.app.state.sessions) as session:
         key, token = create_key(session, name=body.name, scope=body.scope, created_by=who.actor)
         return KeyCreated(**KeyRead.model_validate(key, from_attributes=True).model_dump(), token=token)
 
 
-@router.get("", response_model=list[KeyRead])
+@router.get("", response_model=list[KeyRead], responses=INVALID_RESPONSE)
 def list_keys(request: Request, include_revoked: bool = Query(False),
               _: Principal = Depends(require(*ADMIN))) -> list[KeyRead]:
     with unit_of_work(request.app.state.sessions) as session:
@@ -26,8 +27,10 @@ def list_keys(request: Request, include_revoked: bool = Query(False),
         return [KeyRead.model_validate(k, from_attributes=True) for k in keys]
 
 
-@router.delete("/{key_id}", response_model=KeyRead)
-def revoke(key_id: str, request: Request, reason: str = Query("", max_length=2000),
+@router.delete("/{key_id}", response_model=KeyRead,
+                responses={**problems({404: "no such key", 409: "the key is already revoked"}), **INVALID_RESPONSE})
+def revoke(request: Request, key_id: str = Path(max_length=64, pattern=NO_NUL),
+           reason: str = Query("", max_length=2000, pattern=NO_NUL),
            who: Principal = Depends(require(*ADMIN))) -> KeyRead:
     with unit_of_work(request.app.state.sessions) as session:
         key = revoke_key(session, key_id=key_id, actor=who.actor, reason=reason)

@@ -5,6 +5,9 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# PostgreSQL text cannot hold NUL: refusing it here makes such input a 422, not a driver error.
+NO_NUL = r"^[^\x00]*$"
+
 
 class Scope(StrEnum):
     admin = "admin"
@@ -16,7 +19,7 @@ class Scope(StrEnum):
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=128, description="who or what uses the key")
+    name: str = Field(min_length=1, max_length=128, pattern=NO_NUL, description="who or what uses the key")
     scope: Scope
 
 

@@ -22,7 +22,14 @@ from controlplane.auth.service import Principal
 from controlplane.distribution.recompute import recomputer_of
 from controlplane.distribution.schemas import BundleEnvelope, PublicKeyRead
 from controlplane.distribution.service import Bundle, cached_body, etags_in, signed_body
-from controlplane.errors import SpecgateError, ValidationFailed
+from controlplane.errors import (
+    AUTH_RESPONSES,
+    INVALID_RESPONSE,
+    SpecgateError,
+    ValidationFailed,
+    problem_response,
+    problems,
+)
 from controlplane.worker.schemas import WORKER_ID_PATTERN
 
 router = APIRouter(prefix="/v1/bundle", tags=["distribution"])
@@ -30,6 +37,8 @@ router = APIRouter(prefix="/v1/bundle", tags=["distribution"])
 # Admins may read any worker's bundle too, to debug what a worker is served.
 BundleReader = Annotated[Principal, Depends(require(*WORKER, *ADMIN))]
 WorkerCaller = Annotated[Principal, Depends(require(*WORKER))]
+
+_NOT_SERVED: dict[int | str, dict[str, Any]] = {404: problem_response("worker-not-found, or no-policy for the worker")}
 
 # How often an idle SSE stream looks for a vanished client between keepalives.
 _DISCONNECT_CHECK_S = 1.0
@@ -50,7 +59,9 @@ def _cache_headers(etag: str) -> dict[str, str]:
 
 @router.get("", response_model=BundleEnvelope,
             responses={304: {"description": "If-None-Match is the current ETag (after `wait`, if given)"},
-                       404: {"description": "worker-not-found, or no-policy for the worker"}})
+                       **AUTH_RESPONSES, **_NOT_SERVED, **INVALID_RESPONSE,
+                       **problems({500: "revision-corrupt: a stored revision of the worker's policy no longer "
+                                        "validates or hashes to its id"})})
 async def bundle(request: Request, _: BundleReader,
                  worker: str = _worker_query(),
                  wait: float | None = Query(None, gt=0, allow_inf_nan=False,
@@ -92,7 +103,8 @@ def _sse(event: str, data: dict[str, Any]) -> str:
 @router.get("/events", response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "`event: bundle` with `data: {\"etag\": ...}` at once and on "
-                             "every change; `: keepalive` comments while idle"}})
+                             "every change; `: keepalive` comments while idle"},
+                       **AUTH_RESPONSES, **_NOT_SERVED, **INVALID_RESPONSE})
 async def events(request: Request, _: WorkerCaller, worker: str = _worker_query()) -> StreamingResponse:
     hub = request.app.state.hub
     keepalive = request.app.state.settings.sse_keepalive_s

@@ -15,7 +15,15 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+_READINESS = {"application/json": {"schema": {
+    "type": "object", "required": ["status", "checks"],
+    "properties": {"status": {"type": "string", "enum": ["ready", "not ready"]},
+                   "checks": {"type": "object", "additionalProperties": {"type": "string"}}}}}}
+
+
+@router.get("/readyz", responses={
+    200: {"description": "the database answers and its schema is at head", "content": _READINESS},
+    503: {"description": "not ready: `checks` says which check failed", "content": _READINESS}})
 def readyz(request: Request) -> JSONResponse:
     checks: dict[str, str] = {}
     ready = True

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -10,7 +10,14 @@ from pydantic import ValidationError
 from controlplane.auth.dependencies import ADMIN, READ, require
 from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
-from controlplane.errors import PROBLEM_MEDIA_TYPE, UnsupportedMediaType, ValidationFailed
+from controlplane.errors import (
+    AUTH_RESPONSES,
+    INVALID_RESPONSE,
+    TOO_LARGE_RESPONSE,
+    UnsupportedMediaType,
+    ValidationFailed,
+    problem_response,
+)
 from controlplane.models import Policy, Revision
 from controlplane.policy import service
 from controlplane.policy.schemas import (
@@ -43,20 +50,8 @@ Admin = Annotated[Principal, Depends(require(*ADMIN))]
 Reader = Annotated[Principal, Depends(require(*READ))]
 
 
-def _problem(description: str, example: dict[str, Any] | None = None) -> dict[str, Any]:
-    content: dict[str, Any] = {"schema": {"type": "object", "properties": {
-        "type": {"type": "string"}, "title": {"type": "string"}, "status": {"type": "integer"},
-        "detail": {"type": "string"}, "errors": {"type": "array", "items": {"type": "object"}}}}}
-    if example is not None:
-        content["example"] = example
-    return {"description": description, "content": {PROBLEM_MEDIA_TYPE: content}}
-
-
-_AUTH: dict[int | str, dict[str, Any]] = {
-    401: _problem("missing or unknown API key"),
-    403: _problem("the key's scope does not allow this"),
-}
-_NOT_FOUND = _problem("no such policy or revision")
+_AUTH = AUTH_RESPONSES
+_NOT_FOUND = problem_response("no such policy or revision")
 
 
 def _media_type(header: str | None) -> tuple[str, dict[str, str]]:
@@ -111,8 +106,9 @@ def _revision_read(revision: Revision, policy: Policy) -> RevisionRead:
 # --- policies ----------------------------------------------------------------------------
 
 @router.post("/policies", status_code=201, response_model=PolicyRead, summary="Create a policy",
-             responses={**_AUTH, 409: _problem("the name is taken, or another policy serves that pool"),
-                        415: _problem("the body is not application/json")})
+             responses={**_AUTH, 409: problem_response("the name is taken, or another policy serves that pool"),
+                        **TOO_LARGE_RESPONSE, 415: problem_response("the body is not application/json"),
+                        **INVALID_RESPONSE})
 def create_policy(body: PolicyCreate, request: Request, response: Response,
                   who: Admin, _json: Annotated[None, Depends(_json_content)]) -> PolicyRead:
     """A policy starts without revisions; its first revision becomes active at once."""
@@ -133,7 +129,7 @@ def list_policies(request: Request, _: Reader) -> list[PolicyRead]:
 
 
 @router.get("/policies/{name}", response_model=PolicyRead, summary="Get a policy",
-            responses={**_AUTH, 404: _NOT_FOUND})
+            responses={**_AUTH, 404: _NOT_FOUND, **INVALID_RESPONSE})
 def get_policy(name: str, request: Request, _: Reader) -> PolicyRead:
     with unit_of_work(request.app.state.sessions) as session:
         return _policy_read(service.get_policy(session, name))
@@ -225,20 +221,22 @@ def _submit(request: Request, name: str, submission: service.Submission, if_matc
         200: {"description": "an equal document is already a revision of this policy: nothing was created "
                              "(header X-Specgate-Unchanged: true)", "model": RevisionRead},
         201: {"description": "created; ETag is the revision id, Location its URL"},
+        400: problem_response("If-Match is malformed"),
         **_AUTH, 404: _NOT_FOUND,
-        409: _problem("another revision was created at the same moment; retry against the new head"),
-        412: _problem("If-Match does not name the head revision", {
+        409: problem_response("another revision was created at the same moment; retry against the new head"),
+        412: problem_response("If-Match does not name the head revision", {
             "type": "https://specgate.dev/problems/precondition-failed", "title": "Precondition failed",
             "status": 412, "detail": "If-Match does not name the policy's head revision",
             "current_head": "4f0c...e1"}),
-        415: _problem("unsupported Content-Type"),
-        422: _problem("the document is invalid: every error with its path, code, message and line", {
+        **TOO_LARGE_RESPONSE,
+        415: problem_response("unsupported Content-Type"),
+        422: problem_response("the document is invalid: every error with its path, code, message and line", {
             "type": "https://specgate.dev/problems/invalid-policy", "title": "The policy document is invalid",
             "status": 422, "detail": "the document has 1 error",
             "errors": [{"path": "rules[0].then.engine", "code": "undefined_engine",
                         "message": "engine 'drfat' is not defined in engines (defined: base, draft); "
                                    "did you mean 'draft'?", "line": 9, "column": 25}]}),
-        428: _problem("the policy has a head revision and If-Match is missing"),
+        428: problem_response("the policy has a head revision and If-Match is missing"),
     },
 )
 def create_revision(
@@ -269,7 +267,7 @@ def create_revision(
 
 
 @router.get("/policies/{name}/revisions", response_model=RevisionPage, summary="List a policy's revisions",
-            responses={**_AUTH, 404: _NOT_FOUND})
+            responses={**_AUTH, 404: _NOT_FOUND, **INVALID_RESPONSE})
 def list_revisions(name: str, request: Request, _: Reader,
                    cursor: int | None = Query(None, ge=1, le=2**31 - 1,
                                               description="next_cursor of the previous page"),
@@ -281,7 +279,8 @@ def list_revisions(name: str, request: Request, _: Reader,
 
 
 @router.get("/policies/{name}/diff", response_model=DiffRead, summary="Diff two revisions of a policy",
-            responses={**_AUTH, 404: _problem("no such policy, or from/to is not one of its revisions")})
+            responses={**_AUTH, 404: problem_response("no such policy, or from/to is not one of its revisions"),
+                       **INVALID_RESPONSE})
 def diff(name: str, request: Request, _: Reader,
          from_: str | None = Query(None, alias="from", description="revision id; default: the active one"),
          to: str | None = Query(None, description="revision id; default: the head")) -> DiffRead:
@@ -303,7 +302,8 @@ def diff(name: str, request: Request, _: Reader,
 
 
 @router.get("/revisions/{revision_id}", response_model=RevisionRead, summary="Get a revision",
-            responses={200: {"description": "the revision; ETag is its id"}, **_AUTH, 404: _NOT_FOUND})
+            responses={200: {"description": "the revision; ETag is its id"}, **_AUTH, 404: _NOT_FOUND,
+                       **INVALID_RESPONSE})
 def get_revision(revision_id: str, request: Request, response: Response,
                  _: Reader) -> RevisionRead:
     with unit_of_work(request.app.state.sessions) as session:
@@ -315,8 +315,9 @@ def get_revision(revision_id: str, request: Request, response: Response,
 
 @router.post("/revisions/{revision_id}/evaluate", response_model=list[Evaluation],
              summary="Decide request shapes under a revision",
-             responses={**_AUTH, 404: _NOT_FOUND, 415: _problem("the body is not application/json"),
-                        422: _problem("a shape is malformed", {
+             responses={**_AUTH, 404: _NOT_FOUND, **TOO_LARGE_RESPONSE,
+                        415: problem_response("the body is not application/json"),
+                        422: problem_response("a shape is malformed", {
                             "type": "https://specgate.dev/problems/validation",
                             "title": "The request did not validate", "status": 422,
                             "detail": "1 problem in the request shapes",

@@ -3,11 +3,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Path, Query, Request
+from pydantic import WithJsonSchema
 
 from controlplane.auth.dependencies import OPERATE, READ, require
 from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
-from controlplane.errors import ValidationFailed
+from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, ValidationFailed, problems
 from controlplane.models import FleetState
 from controlplane.rollout import service
 from controlplane.rollout.schemas import (
@@ -26,17 +27,26 @@ from controlplane.rollout.schemas import (
     RolloutState,
 )
 
-router = APIRouter(tags=["rollouts"])
+router = APIRouter(tags=["rollouts"], responses=AUTH_RESPONSES)
+
+_NO_ROLLOUT = problems({404: "no such rollout"})
+# Any other transition than the ones listed in allowed_actions: the problem carries `state`.
+_ILLEGAL = problems({409: "the rollout's state does not allow this action; `state` names it"})
+_BODY = {**TOO_LARGE_RESPONSE, **INVALID_RESPONSE}
 
 Reader = Annotated[Principal, Depends(require(*READ))]
 Operator = Annotated[Principal, Depends(require(*OPERATE))]
 # Promote, pause and resume take an optional body: a reason for the audit log.
 OptionalActionBody = Annotated[ActionBody | None, Body()]
+# Optional for the parser only, so that a missing body reports `reason` as missing; the schema
+# says what is required.
+RequiredAbortBody = Annotated[AbortBody | None, WithJsonSchema(AbortBody.model_json_schema()), Body()]
 RolloutId = Annotated[str, Path(max_length=64, pattern=NO_NUL)]
 PolicyNameParam = Annotated[str, Path(max_length=63, pattern=NO_NUL)]
 
 
-@router.post("/v1/rollouts", status_code=201, response_model=RolloutRead)
+@router.post("/v1/rollouts", status_code=201, response_model=RolloutRead,
+             responses={**problems({409: "the policy already has a running or paused rollout"}), **_BODY})
 def start(body: RolloutCreate, request: Request, who: Operator) -> RolloutRead:
     with unit_of_work(request.app.state.sessions) as session:
         rollout, generation = service.start_rollout(session, body, actor=who.actor)
@@ -45,7 +55,7 @@ def start(body: RolloutCreate, request: Request, who: Operator) -> RolloutRead:
     return read
 
 
-@router.get("/v1/rollouts", response_model=RolloutPage)
+@router.get("/v1/rollouts", response_model=RolloutPage, responses=INVALID_RESPONSE)
 def list_rollouts(request: Request,
                   _: Reader,
                   policy: Annotated[str | None, Query(max_length=63, pattern=NO_NUL,
@@ -60,7 +70,8 @@ def list_rollouts(request: Request,
         return RolloutPage(items=service.present(session, rows), next_cursor=next_cursor)
 
 
-@router.get("/v1/rollouts/{rollout_id}", response_model=RolloutRead)
+@router.get("/v1/rollouts/{rollout_id}", response_model=RolloutRead,
+            responses={**_NO_ROLLOUT, **INVALID_RESPONSE})
 def get(rollout_id: RolloutId, request: Request, _: Reader) -> RolloutRead:
     with unit_of_work(request.app.state.sessions) as session:
         return service.present(session, [service.get_rollout(session, rollout_id)])[0]
@@ -77,6 +88,7 @@ def _act(request: Request, rollout_id: RolloutId, action: RolloutAction, who: Pr
 
 
 @router.post("/v1/rollouts/{rollout_id}/promote", response_model=RolloutRead,
+             responses={**_NO_ROLLOUT, **_ILLEGAL, **_BODY},
              description="Move to the next step; at the last step the rollout completes and the policy's "
                          "active revision becomes the rollout's revision.")
 def promote(rollout_id: RolloutId, request: Request, who: Operator,
@@ -85,22 +97,24 @@ def promote(rollout_id: RolloutId, request: Request, who: Operator,
 
 
 @router.post("/v1/rollouts/{rollout_id}/pause", response_model=RolloutRead,
+             responses={**_NO_ROLLOUT, **_ILLEGAL, **_BODY},
              description="Hold the current step's split until resumed or ended.")
 def pause(rollout_id: RolloutId, request: Request, who: Operator,
           body: OptionalActionBody = None) -> RolloutRead:
     return _act(request, rollout_id, RolloutAction.pause, who, body.reason if body else "")
 
 
-@router.post("/v1/rollouts/{rollout_id}/resume", response_model=RolloutRead)
+@router.post("/v1/rollouts/{rollout_id}/resume", response_model=RolloutRead,
+             responses={**_NO_ROLLOUT, **_ILLEGAL, **_BODY})
 def resume(rollout_id: RolloutId, request: Request, who: Operator,
            body: OptionalActionBody = None) -> RolloutRead:
     return _act(request, rollout_id, RolloutAction.resume, who, body.reason if body else "")
 
 
 @router.post("/v1/rollouts/{rollout_id}/abort", response_model=RolloutRead,
+             responses={**_NO_ROLLOUT, **_ILLEGAL, **_BODY}, openapi_extra={"requestBody": {"required": True}},
              description="Stop splitting; the policy stays on its active revision. A reason is required.")
-def abort(rollout_id: RolloutId, request: Request, who: Operator,
-          body: Annotated[AbortBody | None, Body()] = None) -> RolloutRead:
+def abort(rollout_id: RolloutId, request: Request, who: Operator, body: RequiredAbortBody = None) -> RolloutRead:
     if body is None:
         # Without this, a bodiless abort would report the body, not the reason, as missing.
         raise ValidationFailed("1 field did not validate", errors=[
@@ -109,6 +123,9 @@ def abort(rollout_id: RolloutId, request: Request, who: Operator,
 
 
 @router.post("/v1/policies/{name}/rollback", response_model=PolicyRollbackRead, tags=["policies"],
+             responses={**problems({404: "no such policy, or no such revision",
+                                    409: "the revision is already active (`active_revision` names it)"}),
+                        **_BODY},
              description="Make any revision of the policy but the active one active at once; a running or "
                          "paused rollout of the policy ends as rolled_back.")
 def rollback(name: PolicyNameParam, body: RollbackBody, request: Request,
@@ -133,7 +150,7 @@ def get_kill_switch(request: Request, _: Reader) -> KillSwitchRead:
         return _switch(service.get_kill_switch(session))
 
 
-@router.put("/v1/killswitch", response_model=KillSwitchChange, tags=["kill switch"],
+@router.put("/v1/killswitch", response_model=KillSwitchChange, tags=["kill switch"], responses=_BODY,
             description="Every bundle carries the switch; when on, sidecars send every request to the "
                         "policy's plain engine. Setting the current value again changes nothing.")
 def put_kill_switch(body: KillSwitchUpdate, request: Request,

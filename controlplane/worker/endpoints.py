@@ -8,6 +8,7 @@ from sqlalchemy.exc import IntegrityError
 from controlplane.auth.dependencies import READ, WORKER, require
 from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
+from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, problems
 from controlplane.worker import service
 from controlplane.worker.schemas import (
     NO_CONTROL,
@@ -20,14 +21,16 @@ from controlplane.worker.schemas import (
     WorkerRegister,
 )
 
-router = APIRouter(prefix="/v1", tags=["workers"])
+router = APIRouter(prefix="/v1", tags=["workers"], responses=AUTH_RESPONSES)
+
+_BODY = {**TOO_LARGE_RESPONSE, **INVALID_RESPONSE}
 
 WorkerCaller = Annotated[Principal, Depends(require(*WORKER))]
 Reader = Annotated[Principal, Depends(require(*READ))]
 
 
 @router.post("/workers/register", response_model=WorkerRead,
-             responses={201: {"model": WorkerRead, "description": "registered for the first time"}})
+             responses={201: {"model": WorkerRead, "description": "registered for the first time"}, **_BODY})
 def register(body: WorkerRegister, request: Request, response: Response,
              who: WorkerCaller) -> WorkerRead:
     settings = request.app.state.settings
@@ -48,7 +51,8 @@ def register(body: WorkerRegister, request: Request, response: Response,
     return read
 
 
-@router.post("/workers/{worker_id}/heartbeat", response_model=HeartbeatAck)
+@router.post("/workers/{worker_id}/heartbeat", response_model=HeartbeatAck,
+             responses={**problems({404: "worker-not-found: the worker is not registered"}), **_BODY})
 def heartbeat(request: Request, _: WorkerCaller,
               worker_id: str = Path(max_length=128, pattern=WORKER_ID_PATTERN),
               body: WorkerHeartbeat | None = None) -> HeartbeatAck:
@@ -56,7 +60,7 @@ def heartbeat(request: Request, _: WorkerCaller,
         return service.heartbeat(session, worker_id, body or WorkerHeartbeat())
 
 
-@router.get("/workers", response_model=WorkerPage)
+@router.get("/workers", response_model=WorkerPage, responses=INVALID_RESPONSE)
 def list_workers(request: Request, _: Reader,
                  pool: str | None = Query(None, max_length=128, pattern=NO_CONTROL),
                  stale: bool | None = Query(None, description="only stale (true) or live (false) workers"),

@@ -38,7 +38,9 @@ class WorkerHeartbeat(BaseModel):
 
     active_revision: Short | None = Field(None, description="revision the worker runs now")
     active_etag: Short | None = Field(None, description="ETag of the bundle it runs now, quoted or bare")
-    in_flight: int | None = Field(None, ge=0, description="requests in flight (informational, not stored)")
+    # Strict: JSON false is not a count, though Python would read it as 0.
+    in_flight: int | None = Field(None, ge=0, strict=True,
+                                  description="requests in flight (informational, not stored)")
 
     @field_validator("active_etag", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+import controlplane.distribution.endpoints as endpoints
 import controlplane.distribution.recompute as recompute
 import controlplane.distribution.service as distribution
 from controlplane.app import create_app
@@ -424,6 +425,14 @@ def test_a_herd_of_long_polls_woken_by_one_change_costs_one_read(
     validations: list[Any] = []
     real = distribution.validate_data
     monkeypatch.setattr(distribution, "validate_data", lambda raw: (validations.append(raw), real(raw))[1])
+    hops: list[str] = []
+    real_hop = endpoints.run_in_threadpool
+
+    async def counted_hop(func: Any, *args: Any) -> Any:
+        hops.append(func.__name__)
+        return await real_hop(func, *args)
+
+    monkeypatch.setattr(endpoints, "run_in_threadpool", counted_hop)
 
     async def scenario(base: str) -> tuple[list[int], int, float]:
         limits = httpx.Limits(max_connections=herd + 10)
@@ -444,11 +453,14 @@ def test_a_herd_of_long_polls_woken_by_one_change_costs_one_read(
                 assert time.monotonic() < deadline, "the herd never gathered"
                 await asyncio.sleep(0.02)
             reads, validated = app.state.bundle_recomputer.reads, len(validations)
+            hops.clear()
             start = time.monotonic()
             generation = await asyncio.to_thread(set_kill_switch, settings.database_url, True)
             app.state.hub.notify(generation)
             statuses = list(await asyncio.gather(*polls))
             assert len(validations) == validated
+            # The read signed the new bundle: no woken long-poll goes back to the threadpool to sign it.
+            assert hops == []
             return statuses, app.state.bundle_recomputer.reads - reads, time.monotonic() - start
 
     with serve(app) as base:

@@ -1,0 +1,1 @@
+"""Telemetry store: idempotent batch ingest, raw events, mergeable per-minute rollups."""

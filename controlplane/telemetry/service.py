@@ -1,0 +1,316 @@
+"""Telemetry ingest, retention and rollup reads. Services never commit: the caller owns the unit of work.
+
+Ingest of one batch, in one transaction:
+
+1. the batch id is claimed in ``telemetry_batches`` (``ON CONFLICT DO
+   NOTHING``); when it was there already the batch is a replay, answered from
+   that row, and nothing else happens;
+2. the valid events are inserted into ``telemetry_events``
+   (``ON CONFLICT (event_id) DO NOTHING RETURNING event_id``), so an event
+   that arrives in two batches is stored once;
+3. only the events actually inserted are aggregated in memory
+   (:func:`controlplane.telemetry.rollup.aggregate`) and added to the
+   per-minute rollups and their histograms (``ON CONFLICT DO UPDATE SET
+   n = n + excluded.n``).
+
+So the rollups always equal the same aggregate over the raw events, however
+batches are replayed, split or duplicated.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails, from_json
+from sqlalchemy.orm import Session
+
+from controlplane.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
+from controlplane.telemetry.buckets import batch_bucket_label
+from controlplane.telemetry.contract import StoredBatch, StoredEvent
+from controlplane.telemetry.histogram import METRICS, quantile
+from controlplane.telemetry.repository import PurgeCounts, RollupFilter, TelemetryRepository
+from controlplane.telemetry.rollup import COUNTERS, KEY_FIELDS, aggregate
+from controlplane.telemetry.schemas import BatchAck, BatchEnvelope, EventError, RejectedEvent
+from sidecar.events import TelemetryEvent
+
+# A gzip body may inflate to this many times SPECGATE_MAX_BODY_BYTES, no more (zip bombs).
+DECOMPRESSION_FACTOR = 16
+JSON_TYPE = "application/json"
+# Errors kept per rejected event (an object with thousands of unknown keys has thousands).
+MAX_ERRORS_PER_EVENT = 10
+
+
+# --- decoding and validation ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ParsedBatch:
+    batch_id: str
+    worker_id: str
+    event_count: int
+    events: list[TelemetryEvent]  # the valid ones, in batch order
+    rejected: list[RejectedEvent]
+
+
+def _media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
+def gunzip_bounded(data: bytes, limit: int) -> bytes:
+    """Inflate a gzip body (one or more members) without ever holding more than ``limit + 1`` bytes."""
+    out = bytearray()
+    rest = data
+    while True:
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            out += inflater.decompress(rest, limit + 1 - len(out))
+            while inflater.unconsumed_tail and len(out) <= limit:
+                out += inflater.decompress(inflater.unconsumed_tail, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise BadRequest(f"the body is not valid gzip: {exc}", errors=[
+                {"path": "body", "in": "body", "code": "invalid_gzip", "message": str(exc)}]) from None
+        if len(out) > limit:
+            raise PayloadTooLarge(f"the body inflates to more than {limit} bytes")
+        if not inflater.eof:
+            raise BadRequest("the gzip body is truncated", errors=[
+                {"path": "body", "in": "body", "code": "invalid_gzip", "message": "the gzip stream ends early"}])
+        rest = inflater.unused_data
+        if not rest:
+            return bytes(out)
+
+
+def decode_body(body: bytes, *, content_type: str | None, content_encoding: str | None,
+                max_decompressed: int) -> bytes:
+    media = _media_type(content_type)
+    if media not in ("", JSON_TYPE):
+        message = f"Content-Type {media!r} is not accepted; send {JSON_TYPE}"
+        raise UnsupportedMediaType(message, errors=[
+            {"path": "Content-Type", "in": "header", "code": "unsupported_media_type", "message": message}])
+    encoding = (content_encoding or "").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding in ("gzip", "x-gzip"):
+        return gunzip_bounded(body, max_decompressed)
+    message = f"Content-Encoding {encoding!r} is not accepted; send gzip or none"
+    raise UnsupportedMediaType(message, errors=[
+        {"path": "Content-Encoding", "in": "header", "code": "unsupported_encoding", "message": message}])
+
+
+def _path(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _event_errors(errors: Sequence[ErrorDetails]) -> list[EventError]:
+    return [EventError(path=_path(e["loc"]), code=e["type"], message=e["msg"])
+            for e in errors[:MAX_ERRORS_PER_EVENT]]
+
+
+def _to_utc(event: TelemetryEvent) -> EventError | None:
+    """Normalize ``time`` to UTC; a time without a zone is taken as UTC, as the contract says times are."""
+    time = event.time
+    offset = time.utcoffset()
+    if offset is None:
+        event.time = time.replace(tzinfo=dt.UTC)
+    elif offset:
+        try:
+            event.time = time.astimezone(dt.UTC)
+        except OverflowError:
+            return EventError(path="time", code="out_of_range", message="is out of range in UTC")
+    return None
+
+
+def _envelope_failed(exc: ValidationError) -> ValidationFailed:
+    errors = [{"path": _path(e["loc"]), "in": "body", "code": e["type"], "message": e["msg"]}
+              for e in exc.errors(include_url=False)]
+    n = len(errors)
+    return ValidationFailed(f"the batch envelope has {n} error{'s' if n != 1 else ''}", errors=errors)
+
+
+def parse_batch(raw: bytes) -> ParsedBatch:
+    """Validate a TelemetryBatch: the envelope strictly (422), then each event on its own.
+
+    Events are validated against the contract with the store's limits
+    (:class:`controlplane.telemetry.contract.StoredEvent`). The common case,
+    a batch whose every event is valid, is validated in one pass; when that
+    fails, the batch is taken apart and each event validated on its own, so
+    that the bad ones are refused with their index and the good ones kept.
+    """
+    try:
+        whole = StoredBatch.model_validate_json(raw)
+    except ValidationError:
+        return _parse_event_by_event(raw)
+    events: list[TelemetryEvent] = []
+    rejected: list[RejectedEvent] = []
+    for index, event in enumerate(whole.events):
+        problem = _to_utc(event)
+        if problem is not None:
+            rejected.append(RejectedEvent(index=index, errors=[problem]))
+        else:
+            events.append(event)
+    return ParsedBatch(whole.batch_id, whole.worker_id, len(whole.events), events, rejected)
+
+
+def _parse_event_by_event(raw: bytes) -> ParsedBatch:
+    try:
+        # pydantic-core's parser, as in the one-pass check: the same bodies are JSON for both
+        # (it refuses, for instance, lone UTF-16 surrogates that no database can store).
+        data = from_json(raw)
+    except ValueError as exc:
+        message = str(exc) or "not UTF-8 JSON, or nested too deeply"
+        raise ValidationFailed(f"the body is not valid JSON: {message}", errors=[
+            {"path": "body", "in": "body", "code": "invalid_json", "message": message}]) from None
+    if not isinstance(data, dict):
+        raise ValidationFailed("the body must be a JSON object (a TelemetryBatch)", errors=[
+            {"path": "", "in": "body", "code": "model_type", "message": "must be a JSON object"}])
+    try:
+        envelope = BatchEnvelope.model_validate(data)
+    except ValidationError as exc:
+        raise _envelope_failed(exc) from None
+    events: list[TelemetryEvent] = []
+    rejected: list[RejectedEvent] = []
+    for index, item in enumerate(envelope.events):
+        try:
+            event = StoredEvent.model_validate(item)
+        except ValidationError as exc:
+            rejected.append(RejectedEvent(index=index, errors=_event_errors(exc.errors(include_url=False))))
+            continue
+        problem = _to_utc(event)
+        if problem is not None:
+            rejected.append(RejectedEvent(index=index, errors=[problem]))
+        else:
+            events.append(event)
+    return ParsedBatch(envelope.batch_id, envelope.worker_id, len(envelope.events), events, rejected)
+
+
+# --- ingest -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    ack: BatchAck
+    # valid events that were stored before (by another batch, or twice in this one)
+    already_stored: int
+
+
+def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: dt.datetime) -> IngestResult:
+    """Store a parsed batch once: its new events, and their rollups; see the module docstring."""
+    repo = TelemetryRepository(session)
+    rejected = [r.model_dump() for r in batch.rejected]
+    claimed = repo.claim_batch({
+        "batch_id": batch.batch_id, "worker_id": batch.worker_id, "sent_by": sent_by,
+        "received_at": received_at, "event_count": batch.event_count, "accepted": len(batch.events),
+        "stored": 0, "rejected": rejected,
+    })
+    if not claimed:
+        first = repo.batch(batch.batch_id)
+        if first is None:  # pragma: no cover - the conflicting row is committed when DO NOTHING sees it
+            raise RuntimeError(f"batch {batch.batch_id!r} conflicted but cannot be read")
+        ack = BatchAck(batch_id=first.batch_id, accepted=first.accepted, stored=first.stored,
+                       rejected=[RejectedEvent.model_validate(r) for r in first.rejected], duplicate=True)
+        return IngestResult(ack, already_stored=0)
+
+    unique: dict[str, TelemetryEvent] = {}
+    for event in batch.events:
+        unique.setdefault(event.event_id, event)
+    # Sorted, so that two transactions inserting the same ids take their locks in one order.
+    ordered = [unique[event_id] for event_id in sorted(unique)]
+    inserted = repo.insert_events(ordered, batch_id=batch.batch_id, received_at=received_at)
+    fresh = [e for e in ordered if e.event_id in inserted]
+    _add_to_rollups(repo, fresh)
+    repo.set_batch_stored(batch.batch_id, len(fresh))
+    ack = BatchAck(batch_id=batch.batch_id, accepted=len(batch.events), stored=len(fresh),
+                   rejected=batch.rejected, duplicate=False)
+    return IngestResult(ack, already_stored=len(batch.events) - len(fresh))
+
+
+def _add_to_rollups(repo: TelemetryRepository, events: Sequence[TelemetryEvent]) -> None:
+    deltas = aggregate(events)
+    keys = sorted(deltas)  # one lock order for every transaction
+    rows = [{**dict(zip(KEY_FIELDS, key, strict=True)), **deltas[key].totals.as_dict()} for key in keys]
+    ids = repo.upsert_rollups(rows)
+    histogram_rows = sorted(
+        (ids[key], metric, bucket, count)
+        for key in keys
+        for metric, counts in deltas[key].histograms.items()
+        for bucket, count in counts.items()
+    )
+    repo.upsert_histograms(histogram_rows)
+
+
+# --- retention ----------------------------------------------------------------------------------
+
+def purge_cutoff(older_than: dt.datetime) -> dt.datetime:
+    """The cutoff truncated to the minute, so that events and rollups are cut at the same point."""
+    return older_than.astimezone(dt.UTC).replace(second=0, microsecond=0)
+
+
+def purge(session: Session, older_than: dt.datetime) -> PurgeCounts:
+    """Delete raw events, rollups (with their histograms) and batch records older than the cutoff.
+
+    The cutoff is truncated to the minute: an event of 10:41:30 and its rollup
+    minute 10:41 are kept or deleted together, so the rollups still equal the
+    aggregate of the raw events that remain.
+    """
+    return TelemetryRepository(session).purge(purge_cutoff(older_than))
+
+
+# --- reads --------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RollupSummary:
+    """Merged rollups of one group: counters and latency histograms, with the figures derived from them."""
+
+    key: dict[str, Any]
+    counters: dict[str, Any]
+    histograms: dict[str, dict[int, int]] = field(default_factory=lambda: {m: {} for m in METRICS})
+
+    def ratio(self, numerator: str, denominator: str) -> float | None:
+        den = self.counters[denominator]
+        return self.counters[numerator] / den if den else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.ratio("accepted_tokens_sum", "draft_tokens_sum")
+
+    def quantile(self, metric: str, q: float) -> float | None:
+        return quantile(self.histograms[metric], q)
+
+
+def summarize(session: Session, flt: RollupFilter, group_by: Sequence[str],
+              limit: int | None = None) -> tuple[list[RollupSummary], bool]:
+    """Rollups merged per group of ``group_by`` (key fields), with their histograms.
+
+    Returns the groups (ordered by the group fields) and whether more than
+    ``limit`` groups matched.
+    """
+    unknown = set(group_by) - set(KEY_FIELDS)
+    if unknown:
+        raise ValueError(f"cannot group by {sorted(unknown)}")
+    repo = TelemetryRepository(session)
+    rows = repo.rollup_totals(flt, group_by, None if limit is None else limit + 1)
+    truncated = limit is not None and len(rows) > limit
+    rows = rows[:limit] if limit is not None else rows
+    groups: dict[tuple[Any, ...], RollupSummary] = {}
+    for row in rows:
+        values = tuple(row[name] for name in group_by)
+        groups[values] = RollupSummary(key=dict(zip(group_by, values, strict=True)),
+                                       counters={name: row[name] for name in COUNTERS})
+    for values, metric, bucket, count in repo.rollup_histograms(flt, group_by):
+        summary = groups.get(values)
+        if summary is not None:
+            summary.histograms[metric][bucket] = count
+    return list(groups.values()), truncated
+
+
+def describe_key(key: dict[str, Any]) -> dict[str, Any]:
+    """A group key for people: adds the batch-size range beside its lower bound."""
+    out = dict(key)
+    if key.get("batch_bucket") is not None:
+        out["batch_range"] = batch_bucket_label(key["batch_bucket"])
+    return out
