@@ -138,6 +138,7 @@ class TelemetryExporter:
         self._spool_lock = asyncio.Lock()
         self._sending: Path | None = None
         self._in_flight = 0  # taken from memory, not yet sent, spooled or dropped
+        self._shipping: _Batch | None = None  # the encoded batch _ship is delivering, until it is settled
         self._counters = {"queued": 0, "recovered": 0, "sent": 0, "spooled": 0, "retried": 0, "dropped": 0,
                           "batches_sent": 0, "batches_rejected": 0, "send_failures": 0}
         self._wake = asyncio.Event()
@@ -227,7 +228,7 @@ class TelemetryExporter:
             except TimeoutError:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                log.error("telemetry exporter stopped with %d events unsaved", len(self._memory) + self._in_flight)
+                self._save_leftovers()
         if self._spill_task is not None:
             await asyncio.gather(self._spill_task, return_exceptions=True)
         self._task = None
@@ -235,6 +236,37 @@ class TelemetryExporter:
             await self._session.close()
             self._session = None
         log.info("telemetry exporter stopped: %s", self.counters())
+
+    def _save_leftovers(self) -> None:
+        """Last resort when the sender could not be stopped in time: write what it held straight to the spool.
+
+        Blocking on purpose: the loop is shutting down, and a few small files on
+        disk are worth more than a prompt exit that loses events.
+        """
+        leftovers: list[_Batch] = []
+        if self._shipping is not None:
+            leftovers.append(self._shipping)
+            self._shipping = None
+        if self._memory:
+            events = list(self._memory)
+            self._memory.clear()
+            self._in_flight += len(events)
+            leftovers.append(self._encode(events))
+        for batch in leftovers:
+            self._spool_seq += 1
+            path = self._spool_dir / _spool_name(batch, self._spool_seq)
+            self._in_flight -= batch.count
+            try:
+                write_atomic(path, batch.body)
+            except OSError as exc:
+                self._counters["dropped"] += batch.count
+                log.error("telemetry: cannot spool %d events (%s); dropped", batch.count, exc)
+                continue
+            self._spool.append((path, batch.count))
+            self._spool_events += batch.count
+            self._counters["spooled"] += batch.count
+        if self._in_flight:
+            log.error("telemetry exporter stopped with %d events unsaved", self._in_flight)
 
     # --- the sender --------------------------------------------------------------------------
 
@@ -303,6 +335,13 @@ class TelemetryExporter:
 
     async def _ship(self, batch: _Batch) -> None:
         """Deliver a batch counted in ``_in_flight``: send it, or spool it when the control plane cannot take it."""
+        # Left set when the sender task is cancelled mid-delivery, so stop() can still spool the batch;
+        # a duplicate spool file is harmless, the control plane deduplicates by batch id.
+        self._shipping = batch
+        await self._deliver(batch)
+        self._shipping = None
+
+    async def _deliver(self, batch: _Batch) -> None:
         if self._offline or self._is_down():
             await self._spool_write(batch)
             return

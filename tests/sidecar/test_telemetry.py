@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import gzip
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -364,6 +365,34 @@ def test_stop_spools_what_a_hanging_control_plane_did_not_take_in_time(tmp_path:
         assert exporter.queue_depth() == 150
         assert balanced(exporter)
         assert len(spool_files(tmp_path / "state")) == 2
+        await ingest.stop()
+
+    run(scenario())
+
+
+def test_stop_saves_a_batch_whose_delivery_could_not_be_cancelled_in_time(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ingest = IngestDouble()
+        await ingest.start()
+        ingest.mode = "hang"
+        exporter = exporter_for(ingest, tmp_path / "state", telemetry_flush_s=60)
+        await exporter.start()
+
+        async def stuck_spool_write(batch: Any) -> None:
+            await asyncio.sleep(3600)  # a disk that stalls: the sender never finishes on its own
+
+        exporter._spool_write = stuck_spool_write  # type: ignore[method-assign]
+        for i in range(120):
+            exporter.submit(event(i))
+        await until(lambda: ingest.posts == 1)
+        await exporter.stop(flush=True, timeout=0.2)
+        counters = exporter.counters()
+        assert counters["spooled"] == 120
+        assert counters["sent"] + counters["dropped"] == 0
+        assert balanced(exporter)
+        spooled = sorted(spool_files(tmp_path / "state"))
+        ids = [e["request_id"] for p in spooled for e in json.loads(gzip.decompress(p.read_bytes()))["events"]]
+        assert sorted(ids) == sorted(event(i).request_id for i in range(120))
         await ingest.stop()
 
     run(scenario())
