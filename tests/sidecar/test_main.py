@@ -176,8 +176,9 @@ def test_a_real_sidecar_serves_reports_and_shuts_down_gracefully_on_sigterm(tmp_
         assert "sidecar stopped" in output
         counters = ast.literal_eval(output.split("telemetry exporter stopped: ", 1)[1].splitlines()[0])
         assert counters["queued"] == 1
-        # Nothing lost: delivered, or (no ingestion endpoint yet) spooled for the next start.
-        assert counters["sent"] + counters["spool_events"] == 1
+        # Nothing lost: delivered, or (the control plane too slow to answer before the flush
+        # deadline) spooled for the next start.
+        assert counters["sent"] + counters["spool_events"] == 1, output
         assert counters["memory_events"] == 0
     finally:
         if proc.poll() is None:
