@@ -15,7 +15,7 @@ COPY pyproject.toml README.md ./
 RUN mkdir -p policies controlplane sidecar dashboard testbed \
     && touch policies/__init__.py controlplane/__init__.py sidecar/__init__.py dashboard/__init__.py \
        testbed/__init__.py \
-    && pip install -e ".[dashboard]"
+    && pip install -e .
 
 # Editable on purpose: the control plane finds alembic.ini and migrations/ beside its
 # packages at the source root, which a plain wheel install would leave behind.

@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specgate-installed
 
-.PHONY: install run test test-fast lint typecheck bench clean
+.PHONY: install browser run test test-fast lint typecheck bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,17 @@ typecheck: install
 	$(BIN)/mypy
 
 test-fast: lint typecheck
-	$(BIN)/python -m pytest -q -x
+	$(BIN)/python -m pytest -q -x -m "not engines"
 
-test: lint typecheck
+# The dashboard's browser test drives Debian's Chromium, never a browser that a
+# test tool downloads.
+browser:
+	@test -x /usr/bin/chromium || { \
+	  echo "installing Debian's chromium for the dashboard's browser test"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: lint typecheck browser
 	$(BIN)/python -m pytest -q
 
 # The control plane on SQLite (.specgate/), example policies loaded; prints

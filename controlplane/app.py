@@ -12,8 +12,11 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from controlplane.analysis.endpoints import router as analysis_router
+from controlplane.analysis.evaluator import run_evaluator
 from controlplane.audit.endpoints import router as audit_router
 from controlplane.auth.endpoints import router as keys_router
+from controlplane.auth.endpoints import whoami_router
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.distribution.endpoints import router as distribution_router
 from controlplane.distribution.hub import ChangeHub
@@ -106,9 +109,16 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         listener: asyncio.Task[None] | None = None
         if engine.dialect.name == "postgresql":
             listener = asyncio.create_task(listen_for_changes(settings.database_url, hub))
+        evaluator: asyncio.Task[None] | None = None
+        if settings.guardrail_interval_s > 0:
+            evaluator = asyncio.create_task(run_evaluator(app, settings.guardrail_interval_s))
         try:
             yield
         finally:
+            if evaluator is not None:
+                evaluator.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await evaluator
             if listener is not None:
                 listener.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -141,7 +151,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         return response
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    for router in (health_router, keys_router, audit_router, policy_router, rollout_router,
-                   worker_router, distribution_router, telemetry_router):
+    for router in (health_router, keys_router, whoami_router, audit_router, policy_router, rollout_router,
+                   worker_router, distribution_router, telemetry_router, analysis_router):
         app.include_router(router)
     return app

@@ -19,9 +19,11 @@ import httpx
 import typer
 import yaml
 
+from controlplane.analysis.cli import analysis_app, recommend_app
 from controlplane.auth.schemas import Scope
 from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.cli import telemetry_app
+from testbed.cli import testbed_app
 
 app = typer.Typer(help="specgate: per-request speculative decoding control plane.", no_args_is_help=True,
                   add_completion=False)
@@ -34,6 +36,9 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(killswitch_app, name="killswitch")
 app.add_typer(telemetry_app, name="telemetry")
+app.add_typer(analysis_app, name="analysis")
+app.add_typer(recommend_app, name="recommend")
+app.add_typer(testbed_app, name="testbed")
 
 UrlOpt = Annotated[str, typer.Option("--url", envvar="SPECGATE_URL", help="control plane base URL")]
 KeyOpt = Annotated[str, typer.Option("--key", envvar="SPECGATE_KEY", help="API key (sgk_...)")]
@@ -348,6 +353,24 @@ def _register_sidecar() -> None:
 
 
 _register_sidecar()
+
+
+def _register_loadgen() -> None:
+    from sidecar.loadgen_cli import loadgen
+
+    app.command(name="loadgen")(loadgen)
+
+
+_register_loadgen()
+
+
+def _register_dashboard() -> None:
+    from dashboard.cli import dashboard
+
+    app.command(name="dashboard")(dashboard)
+
+
+_register_dashboard()
 
 
 def main() -> None:

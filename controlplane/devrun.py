@@ -1,12 +1,14 @@
 """``specgate up``: the whole product on one machine, on embedded defaults.
 
-What ``make run`` calls. Later parts (sidecar, engines, dashboard) join here.
+What ``make run`` calls: the control plane and the dashboard. Later parts (sidecar, engines) join here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -56,9 +58,24 @@ def _load_examples(base_url: str, token: str) -> list[str]:
     return loaded
 
 
+def _start_dashboard(host: str, port: int, api_url: str, token: str) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """The dashboard beside the control plane, signed in with the admin key; (process, banner line)."""
+    if port == 0:
+        return None, "off (--dashboard-port 0)"
+    if importlib.util.find_spec("streamlit") is None:
+        return None, "not installed (pip install streamlit)"
+    if not _port_free(host, port):
+        return None, f"not started: {host}:{port} is in use (pass --dashboard-port)"
+    from dashboard import launch
+
+    process = launch.start(host=host, port=port, api_url=api_url, api_key=token)
+    return process, f"http://{host}:{port}  (signed in with the admin key)"
+
+
 def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite database lives"),
-       host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8080)) -> None:
-    """Bring the control plane up on SQLite with the example policies loaded."""
+       host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8080),
+       dashboard_port: int = typer.Option(8501, help="port of the dashboard; 0 does not start it")) -> None:
+    """Bring the control plane up on SQLite with the example policies loaded, and the dashboard."""
     data_dir.mkdir(parents=True, exist_ok=True)
     url = os.environ.get("SPECGATE_DATABASE_URL") or f"sqlite:///{(data_dir / 'specgate.db').resolve()}"
     settings = ControlPlaneSettings(database_url=url)
@@ -91,10 +108,12 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
         server.should_exit = True
         raise typer.Exit(1)
     loaded = _load_examples(base, token)
+    dashboard, dashboard_line = _start_dashboard(host, dashboard_port, base, token)
     typer.echo(
         "\nspecgate is up\n"
         f"  control plane   {base}\n"
         f"  API docs        {base}/docs\n"
+        f"  dashboard       {dashboard_line}\n"
         f"  database        {url}\n"
         f"  policies        {', '.join(loaded)}\n"
         f"  admin key       {token}\n\n"
@@ -107,5 +126,11 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
     except KeyboardInterrupt:
         typer.echo("stopping...")
     finally:
+        if dashboard is not None:
+            dashboard.terminate()
+            try:
+                dashboard.wait(5)
+            except subprocess.TimeoutExpired:
+                dashboard.kill()
         server.should_exit = True
         thread.join(10)

@@ -256,6 +256,8 @@ class TelemetryEventRecord(Base):
     structured_output: Mapped[bool] = mapped_column(Boolean)
     tools: Mapped[bool] = mapped_column(Boolean)
     max_tokens: Mapped[int | None] = mapped_column(Integer)
+    shape_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    labels: Mapped[str] = mapped_column(String(2048), server_default="{}")
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
@@ -341,3 +343,21 @@ class TelemetryRollupHistogram(Base):
     metric: Mapped[str] = mapped_column(String(8), primary_key=True)  # ttft | itl | e2e
     bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     count: Mapped[int] = mapped_column(BigInteger)
+
+
+class GuardrailEvaluation(Base):
+    """One look at a rollout step's guardrails (controlplane.analysis.guardrails), and what it did."""
+
+    __tablename__ = "guardrail_evaluations"
+    __table_args__ = (Index("ix_guardrail_evaluations_rollout_at", "rollout_id", "evaluated_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[str] = mapped_column(String(32), ForeignKey("rollouts.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    evaluated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    evaluated_by: Mapped[str] = mapped_column(String(128))
+    verdict: Mapped[str] = mapped_column(String(16))  # pass | breach | pending
+    action: Mapped[str] = mapped_column(String(16))  # none | rolled_back | promoted
+    baseline_requests: Mapped[int] = mapped_column(BigInteger)
+    canary_requests: Mapped[int] = mapped_column(BigInteger)
+    checks: Mapped[list[Any]] = mapped_column(JSON)

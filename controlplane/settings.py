@@ -27,3 +27,10 @@ class ControlPlaneSettings(BaseSettings):
     telemetry_ingest_concurrency: int = Field(default=4, ge=1, le=64,
                                               description="telemetry batches one process writes at once "
                                               "(PostgreSQL; SQLite writes one at a time)")
+    guardrail_interval_s: float = Field(default=60.0, ge=0, le=86400,
+                                        description="how often running rollouts' guardrails are evaluated; "
+                                        "0 turns the background evaluator off")
+    guardrail_alpha: float = Field(default=0.05, gt=0, lt=0.5,
+                                   description="false-alarm bound of a step's guardrails over all its looks")
+    guardrail_auto_promote: bool = Field(default=False,
+                                         description="promote a step whose guardrails all pass with confidence")

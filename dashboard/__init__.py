@@ -1,1 +1,1 @@
-"""specgate dashboard (built in a later issue)."""
+"""specgate dashboard: Streamlit over the control plane's REST API (docs/dashboard.md)."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 EVENT_SCHEMA_VERSION = 1
+MAX_LABELS_CHARS = 2048
 
 
 class TelemetryEvent(BaseModel):
@@ -36,6 +39,11 @@ class TelemetryEvent(BaseModel):
     structured_output: bool
     tools: bool
     max_tokens: int | None = Field(default=None, ge=0)
+    # what else the decision saw, so that a recorded request can be decided again (what-if replays)
+    shape_prompt_tokens: int | None = Field(default=None, ge=0,
+                                            description="prompt tokens as the decision estimated them")
+    labels: str = Field(default="{}", max_length=MAX_LABELS_CHARS,
+                        description="the request's labels: a JSON object of strings, keys sorted, compact")
     prompt_tokens: int | None = Field(default=None, ge=0, description="as the engine counted them")
     completion_tokens: int | None = Field(default=None, ge=0)
     # timing as the sidecar saw it, milliseconds
@@ -58,6 +66,34 @@ class TelemetryEvent(BaseModel):
     engine_ttft_ms: float | None = Field(default=None, ge=0)
     engine_itl_ms: float | None = Field(default=None, ge=0)
     engine_queue_ms: float | None = Field(default=None, ge=0)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_object(cls, value: str) -> str:
+        if value == "{}":
+            return value
+        try:
+            data = json.loads(value)
+        except ValueError:
+            raise ValueError("labels must be a JSON object of strings") from None
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ValueError("labels must be a JSON object of strings")
+        return value
+
+
+def encode_labels(labels: Mapping[str, str]) -> str:
+    """The ``labels`` field of an event: keys sorted, compact, so equal label sets are equal strings.
+
+    Labels that would not fit in MAX_LABELS_CHARS are left out (the last keys first).
+    """
+    if not labels:
+        return "{}"
+    kept = dict(sorted(labels.items()))
+    while True:
+        text = json.dumps(kept, separators=(",", ":"), ensure_ascii=False)
+        if len(text) <= MAX_LABELS_CHARS:
+            return text
+        kept.popitem()
 
 
 class TelemetryBatch(BaseModel):

@@ -30,8 +30,9 @@ flags:
   ``metrics``;
 * JSON answers: ``metrics`` is removed.
 
-``build_app(..., expose_engine_metrics=True)`` keeps ``metrics`` wherever the
-client would get the carrying object anyway.
+``build_app(..., expose_engine_metrics=True)`` (or the setting of that name,
+``SPECGATE_EXPOSE_ENGINE_METRICS=true``) keeps ``metrics`` wherever the client
+would get the carrying object anyway.
 
 Every other path (``GET /v1/models`` included) is passed through unchanged to
 the fallback engine of the current policy; the sidecar's own paths are
@@ -58,7 +59,7 @@ from yarl import URL
 from policies import CompiledBundle, Decision, PolicyStore, RequestShape
 from sidecar.batch import BatchEstimator, EngineScraper, InFlight
 from sidecar.classify import JSON_OBJECT, classify, output_schema
-from sidecar.events import TelemetryEvent
+from sidecar.events import TelemetryEvent, encode_labels
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import SidecarSettings
 
@@ -226,7 +227,7 @@ class SidecarApp:
         self.store = store
         self.exporter = exporter
         self.on_event = on_event
-        self.expose_engine_metrics = expose_engine_metrics
+        self.expose_engine_metrics = expose_engine_metrics or settings.expose_engine_metrics
         self.max_body_bytes = max_body_bytes
         self.worker_id = settings.worker_id or settings.listen
         self.routes: Mapping[str, str] = dict(settings.routes)
@@ -680,6 +681,8 @@ class SidecarApp:
             structured_output=shape.structured_output,
             tools=shape.tools,
             max_tokens=shape.max_tokens,
+            shape_prompt_tokens=shape.prompt_tokens,
+            labels=encode_labels(shape.labels),
             prompt_tokens=_num(usage.get("prompt_tokens"), integer=True),
             completion_tokens=_num(usage.get("completion_tokens"), integer=True),
             ttft_ms=ttft,

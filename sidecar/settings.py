@@ -32,6 +32,9 @@ class SidecarSettings(BaseSettings):
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0)
     engine_metrics_s: float = Field(default=0.5, gt=0, description="how often to scrape vllm:num_requests_running")
+    # Keep vLLM's per-request ``metrics`` object in answers (it is stripped by default, as if the engines ran
+    # without the per-request metrics flags): for debugging and for tests that compare telemetry with the engine.
+    expose_engine_metrics: bool = False
 
     @field_validator("listen")
     @classmethod

@@ -90,7 +90,7 @@ def test_fallthrough_row_only_gets_shapes_no_rule_matches() -> None:
 
 
 def test_cel_compiled_runner_works_after_an_interpreted_one() -> None:
-    celpy = pytest.importorskip("celpy")
+    import celpy
     activation = celpy.json_to_cel({"route": "chat", "batch_size": 2, "structured_output": False})
     assert decisions.cel_program(decisions.SEED_CEL, compiled=False).evaluate(activation)
     assert decisions.cel_program(decisions.SEED_CEL, compiled=True).evaluate(activation)
@@ -98,8 +98,6 @@ def test_cel_compiled_runner_works_after_an_interpreted_one() -> None:
 
 
 def test_every_implementation_reaches_the_same_decision() -> None:
-    pytest.importorskip("celpy")
-    pytest.importorskip("UnleashClient")
     shapes = SHAPES[:120]  # the CEL rows take milliseconds per 50-rule decision
     with decisions.implementations(shapes) as (pols, impls):
         assert decisions.cross_check(pols, impls, shapes) == []
@@ -110,8 +108,6 @@ def test_every_implementation_reaches_the_same_decision() -> None:
 
 
 def test_tiny_run_reports_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("celpy")
-    pytest.importorskip("UnleashClient")
     out = tmp_path / "result.json"
     decisions.main(["--iterations", "20", "--rounds", "2", "--round-ms", "1", "--shapes", "40",
                     "--json", str(out)])

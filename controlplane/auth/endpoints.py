@@ -4,7 +4,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 
 from controlplane.auth.dependencies import ADMIN, require
 from controlplane.auth.repository import ApiKeyRepository
-from controlplane.auth.schemas import NO_NUL, KeyCreate, KeyCreated, KeyRead
+from controlplane.auth.schemas import NO_NUL, KeyCreate, KeyCreated, KeyRead, Scope, WhoAmI
 from controlplane.auth.service import Principal, create_key, revoke_key
 from controlplane.db import unit_of_work
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, problems
@@ -25,6 +25,17 @@ def list_keys(request: Request, include_revoked: bool = Query(False),
     with unit_of_work(request.app.state.sessions) as session:
         keys = ApiKeyRepository(session).list(include_revoked)
         return [KeyRead.model_validate(k, from_attributes=True) for k in keys]
+
+
+# Its own path: under /v1/keys it would collide with /v1/keys/{key_id}.
+whoami_router = APIRouter(prefix="/v1", tags=["keys"], responses=AUTH_RESPONSES)
+
+
+@whoami_router.get("/whoami", response_model=WhoAmI, summary="The calling key",
+                   description="Who the key is and its scope (any valid key): what a client needs to know which "
+                               "actions it may offer.")
+def whoami(who: Principal = Depends(require(*Scope))) -> WhoAmI:
+    return WhoAmI(key_id=who.key_id, name=who.name, scope=who.scope, actor=who.actor)
 
 
 @router.delete("/{key_id}", response_model=KeyRead,

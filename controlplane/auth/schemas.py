@@ -36,3 +36,10 @@ class KeyRead(BaseModel):
 
 class KeyCreated(KeyRead):
     token: str = Field(description="the secret; shown only in this response")
+
+
+class WhoAmI(BaseModel):
+    key_id: str
+    name: str
+    scope: Scope
+    actor: str = Field(description="how this key appears in the audit log, e.g. 'operator:olga'")

@@ -25,6 +25,7 @@ from controlplane.policy.schemas import (
     ChangeSummaryRead,
     DecisionRead,
     DiffRead,
+    DraftDiffRead,
     EvaluateRequest,
     Evaluation,
     PolicyCreate,
@@ -35,6 +36,8 @@ from controlplane.policy.schemas import (
     RevisionRef,
     RevisionSummary,
     ShapeRead,
+    ValidateRequest,
+    ValidationRead,
 )
 
 router = APIRouter(prefix="/v1", tags=["policies"])
@@ -133,6 +136,48 @@ def list_policies(request: Request, _: Reader) -> list[PolicyRead]:
 def get_policy(name: str, request: Request, _: Reader) -> PolicyRead:
     with unit_of_work(request.app.state.sessions) as session:
         return _policy_read(service.get_policy(session, name))
+
+
+@router.post(
+    "/policies/{name}/validate", response_model=ValidationRead, summary="Validate a draft without storing it",
+    responses={**_AUTH, 404: _NOT_FOUND, **TOO_LARGE_RESPONSE,
+               415: problem_response("the body is not application/json"),
+               422: problem_response("the document is invalid: every error with its path, code, message and "
+                                     "line (for text); or a shape is malformed", {
+                   "type": "https://specgate.dev/problems/invalid-policy",
+                   "title": "The policy document is invalid", "status": 422,
+                   "detail": "the document has 1 error",
+                   "errors": [{"path": "rules[0].when.batch_size.max", "code": "inverted_range",
+                               "message": "max (4) is below min (5): the range is empty", "line": 9,
+                               "column": 40}]})},
+)
+def validate(name: str, body: ValidateRequest, request: Request, _: Reader,
+             _json: Annotated[None, Depends(_json_content)]) -> ValidationRead:
+    """Checks a draft of a new revision of the policy exactly as adding it would, and stores nothing:
+    errors come back as a 422 problem with paths and, for text, lines. The answer carries the diff against
+    the policy's active revision and, given `shapes`, the decisions the draft would make (a dry run)."""
+    if isinstance(body.document, str):
+        submission = service.Submission(text=body.document)
+    else:
+        submission = service.Submission(data=body.document)
+    with unit_of_work(request.app.state.sessions) as session:
+        check = service.check_draft(session, submission=submission, policy_name=name, shapes=body.shapes)
+        diff_read = None
+        if check.active is not None and check.unified is not None and check.summary is not None:
+            s = check.summary
+            diff_read = DraftDiffRead(
+                against=RevisionRef(id=check.active.id, seq=check.active.seq),
+                identical=check.active.id == check.loaded.id, unified=check.unified,
+                summary=ChangeSummaryRead(
+                    rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
+                    rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
+                    engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
+                    engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)))
+        return ValidationRead(
+            valid=True, revision_id=check.loaded.id, name=check.loaded.document.name,
+            canonical_yaml=check.loaded.canonical_yaml, existing=check.existing, diff=diff_read,
+            evaluations=[Evaluation(shape=ShapeRead(**shape.to_dict()), decision=DecisionRead(**d.to_dict()))
+                         for shape, d in check.decisions])
 
 
 # --- revisions ---------------------------------------------------------------------------

@@ -172,3 +172,32 @@ class DecisionRead(BaseModel):
 class Evaluation(BaseModel):
     shape: ShapeRead = Field(description="the shape with defaults filled in")
     decision: DecisionRead
+
+
+class ValidateRequest(BaseModel):
+    """A draft to check without storing it."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"document": SEED_EXAMPLE, "shapes": [{"route": "chat", "batch_size": 2}]}]})
+
+    document: DocumentValue = Field(
+        description="the policy document: a JSON object, or YAML/JSON text (text gives line numbers in errors)")
+    shapes: list[Any] = Field(default_factory=list, max_length=MAX_SHAPES,
+                              description="request shapes to decide under the draft (a dry run)")
+
+
+class DraftDiffRead(BaseModel):
+    against: RevisionRef = Field(description="the policy's active revision")
+    identical: bool
+    unified: str = Field(description="unified diff of the canonical YAML, active -> draft")
+    summary: ChangeSummaryRead
+
+
+class ValidationRead(BaseModel):
+    valid: bool = Field(description="always true: an invalid document is a 422 problem with every error")
+    revision_id: str = Field(description="the id the draft would have as a revision")
+    name: str = Field(description="the document's policy name")
+    canonical_yaml: str
+    existing: bool = Field(description="the draft equals a revision already stored")
+    diff: DraftDiffRead | None = Field(description="against the active revision; null when the policy has none")
+    evaluations: list[Evaluation] = Field(description="the decisions for `shapes`, in order")

@@ -473,3 +473,54 @@ def evaluate(session: Session, rid: str, shapes: Sequence[Any]) -> list[tuple[Re
         n = len(errors)
         raise ValidationFailed(f"{n} problem{'s' if n != 1 else ''} in the request shapes", errors=errors)
     return [(shape, compiled.decide(shape)) for shape in parsed]
+
+
+# --- validating a draft ------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class DraftCheck:
+    """A draft checked without being stored: what it would be, and how it differs from the active one."""
+
+    loaded: LoadedDocument
+    policy: Policy
+    active: Revision | None
+    unified: str | None
+    summary: ChangeSummary | None
+    decisions: list[tuple[RequestShape, Decision]]
+    existing: bool
+
+
+def check_draft(session: Session, *, submission: Submission, policy_name: str,
+                shapes: Sequence[Any]) -> DraftCheck:
+    """Validate a draft of a policy's next revision as ``create_revision`` would, store nothing, and
+    dry-run shapes under it. The diff is against the policy's active revision."""
+    policy = _policy(session, policy_name)
+    loaded = load_submission(submission)
+    if loaded.document.name != policy.name:
+        raise PolicyInvalid("the document's name must equal the policy's name", errors=[{
+            "path": "name", "code": "name_mismatch",
+            "message": f"document name {loaded.document.name!r} differs from policy {policy.name!r}",
+        }])
+    active = None
+    unified = summary = None
+    if policy.active_revision_id is not None:
+        active = RevisionRepository(session).get(policy.active_revision_id)
+        if active is not None:
+            unified = unified_diff(active.canonical_yaml, loaded.canonical_yaml,
+                                   from_label=f"{policy.name}@{active.seq} (active)",
+                                   to_label=f"{policy.name} (draft {loaded.id[:12]})")
+            summary = summarize_changes(active.document, loaded.canonical)
+    parsed: list[RequestShape] = []
+    errors: list[dict[str, Any]] = []
+    for i, data in enumerate(shapes):
+        shape, problems = _read_shape(i, data)
+        errors.extend(problems)
+        if shape is not None:
+            parsed.append(shape)
+    if errors:
+        n = len(errors)
+        raise ValidationFailed(f"{n} problem{'s' if n != 1 else ''} in the request shapes", errors=errors)
+    compiled = compile_policy(loaded.document, loaded.id) if parsed else None
+    decisions = [(shape, compiled.decide(shape)) for shape in parsed] if compiled is not None else []
+    existing = RevisionRepository(session).exists(loaded.id)
+    return DraftCheck(loaded, policy, active, unified, summary, decisions, existing)

@@ -3,10 +3,10 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Sequence
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from controlplane.models import FleetState, Policy, Revision, Rollout, RolloutStep
+from controlplane.models import FleetState, GuardrailEvaluation, Policy, Revision, Rollout, RolloutStep
 
 # The states in which a rollout still splits its policy's workers or traffic.
 OPEN_STATES = ("running", "paused")
@@ -87,6 +87,16 @@ class RolloutRepository:
                                          .order_by(RolloutStep.rollout_id, RolloutStep.position)):
             out[step.rollout_id].append(step)
         return out
+
+    def latest_guardrail_evaluations(self, rollout_ids: Sequence[str]) -> dict[str, GuardrailEvaluation]:
+        """The newest guardrail evaluation of each rollout that has one."""
+        if not rollout_ids:
+            return {}
+        newest = (select(GuardrailEvaluation.rollout_id, func.max(GuardrailEvaluation.id).label("id"))
+                  .where(GuardrailEvaluation.rollout_id.in_(set(rollout_ids)))
+                  .group_by(GuardrailEvaluation.rollout_id).subquery())
+        rows = self.session.scalars(select(GuardrailEvaluation).join(newest, GuardrailEvaluation.id == newest.c.id))
+        return {row.rollout_id: row for row in rows}
 
     def search(self, *, policy_id: str | None, state: str | None,
                before: tuple[dt.datetime, str] | None, limit: int) -> Sequence[Rollout]:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
@@ -100,6 +100,18 @@ class StepRead(BaseModel):
     outcome: StepOutcome | None
 
 
+class GuardrailSnapshot(BaseModel):
+    """The latest guardrail evaluation of a rollout (all of them: GET /v1/rollouts/{id}/guardrails)."""
+
+    step: int
+    evaluated_at: dt.datetime
+    verdict: str = Field(description="pass, breach or pending")
+    action: str = Field(description="none, rolled_back or promoted")
+    baseline_requests: int
+    canary_requests: int
+    checks: list[dict[str, Any]]
+
+
 class RolloutRead(BaseModel):
     id: str
     policy: str
@@ -117,6 +129,7 @@ class RolloutRead(BaseModel):
     created_by: str
     created_at: dt.datetime
     updated_at: dt.datetime
+    last_guardrail_evaluation: GuardrailSnapshot | None = None
 
 
 class RolloutPage(BaseModel):

@@ -24,6 +24,7 @@ from controlplane.errors import Conflict, NotFound, ValidationFailed
 from controlplane.models import FleetState, Policy, Rollout, RolloutStep, utcnow
 from controlplane.rollout.repository import RolloutRepository
 from controlplane.rollout.schemas import (
+    GuardrailSnapshot,
     RolloutAction,
     RolloutCreate,
     RolloutRead,
@@ -327,6 +328,7 @@ def present(session: Session, rollouts: Sequence[Rollout]) -> list[RolloutRead]:
     repo = RolloutRepository(session)
     names = repo.policy_names(r.policy_id for r in rollouts)
     steps_of = repo.steps_of(r.id for r in rollouts)
+    looks = repo.latest_guardrail_evaluations([r.id for r in rollouts])
     out = []
     for r in rollouts:
         steps = steps_of[r.id]
@@ -339,6 +341,8 @@ def present(session: Session, rollouts: Sequence[Rollout]) -> list[RolloutRead]:
             current_percent=steps[r.current_step].percent if steps else 0.0,
             allowed_actions=allowed_actions(r.state), reason=r.reason, created_by=r.created_by,
             created_at=r.created_at, updated_at=r.updated_at,
+            last_guardrail_evaluation=(GuardrailSnapshot.model_validate(looks[r.id], from_attributes=True)
+                                       if r.id in looks else None),
         ))
     return out
 

@@ -147,6 +147,10 @@ def _utc(value: str | None, name: str) -> dt.datetime | None:
         raise ValidationFailed(f"`{name}` is out of range in UTC", errors=[problem]) from None
 
 
+# For other domains' query parameters: the same reading of a date-time.
+parse_utc = _utc
+
+
 def _group_by(values: list[str]) -> list[GroupBy]:
     out: list[GroupBy] = []
     errors = []

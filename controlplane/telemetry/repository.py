@@ -20,7 +20,7 @@ from operator import attrgetter
 from typing import Any
 
 from pydantic import TypeAdapter
-from sqlalchemy import BigInteger, ColumnElement, Float, Table, cast, delete, func, select
+from sqlalchemy import BigInteger, ColumnElement, Float, Integer, Table, cast, delete, func, select, type_coerce
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -275,10 +275,40 @@ class TelemetryRepository:
             conds.append(ROLLUPS.c.minute < flt.end)
         return conds
 
+    def _groups(self, group_by: Sequence[str], window_s: int | None) -> list[ColumnElement[Any]]:
+        """The group columns; with ``window_s``, ``minute`` is truncated to windows of that many seconds."""
+        out: list[ColumnElement[Any]] = []
+        for name in group_by:
+            column: ColumnElement[Any] = ROLLUPS.c[name]
+            if name == "minute" and window_s is not None and window_s != 60:
+                column = type_coerce(self._window(window_s), ROLLUPS.c.minute.type).label("minute")
+            out.append(column)
+        return out
+
+    def _window(self, window_s: int) -> ColumnElement[Any]:
+        """The start of the ``window_s`` window of ``minute`` (hours and days: cheap truncations)."""
+        minute = ROLLUPS.c.minute
+        if self._conn.dialect.name == "postgresql":
+            if window_s in (3600, 86400):
+                # in UTC whatever the session's TimeZone: a naive UTC timestamp, read back as UTC
+                return func.date_trunc("hour" if window_s == 3600 else "day", func.timezone("UTC", minute))
+            epoch = func.floor(func.extract("epoch", minute) / window_s) * window_s
+            return func.to_timestamp(epoch)
+        # SQLite keeps UTC as text, "YYYY-MM-DD HH:MM:SS.ffffff": cut it, in the same layout.
+        if window_s == 3600:
+            return func.substr(minute, 1, 13).concat(":00:00.000000")
+        if window_s == 86400:
+            return func.substr(minute, 1, 10).concat(" 00:00:00.000000")
+        epoch = cast(func.strftime("%s", minute), Integer) / window_s * window_s
+        return func.strftime("%Y-%m-%d %H:%M:%S.000000", epoch, "unixepoch")
+
     def rollup_totals(self, flt: RollupFilter, group_by: Sequence[str],
-                      limit: int | None = None) -> list[dict[str, Any]]:
-        """Merged counters per group (``group_by`` fields of :data:`KEY_FIELDS`), ordered by the group."""
-        groups = [ROLLUPS.c[name] for name in group_by]
+                      limit: int | None = None, window_s: int | None = None) -> list[dict[str, Any]]:
+        """Merged counters per group (``group_by`` fields of :data:`KEY_FIELDS`), ordered by the group.
+
+        With ``window_s``, a ``minute`` group means the start of its window of that many seconds.
+        """
+        groups = self._groups(group_by, window_s)
         sums = [cast(func.sum(ROLLUPS.c[name]), Float if name in FLOAT_COUNTERS else BigInteger).label(name)
                 for name in COUNTERS]
         query = select(*groups, *sums).where(*self._where(flt)).group_by(*groups).order_by(*groups)
@@ -288,14 +318,17 @@ class TelemetryRepository:
         # Without groups, SUM over no rows is one row of NULLs: no group at all.
         return [row for row in rows if row["requests"] is not None]
 
-    def rollup_histograms(self, flt: RollupFilter,
-                          group_by: Sequence[str]) -> list[tuple[tuple[Any, ...], str, int, int]]:
-        """Merged histogram counts: ``(group values, metric, bucket, count)``."""
-        groups = [ROLLUPS.c[name] for name in group_by]
+    def rollup_histograms(self, flt: RollupFilter, group_by: Sequence[str], window_s: int | None = None,
+                          metrics: Sequence[str] | None = None) -> list[tuple[tuple[Any, ...], str, int, int]]:
+        """Merged histogram counts: ``(group values, metric, bucket, count)``; only ``metrics`` if given."""
+        groups = self._groups(group_by, window_s)
+        conds = self._where(flt)
+        if metrics is not None:
+            conds.append(HISTOGRAMS.c.metric.in_(list(metrics)))
         query = (select(*groups, HISTOGRAMS.c.metric, HISTOGRAMS.c.bucket,
                         cast(func.sum(HISTOGRAMS.c.count), BigInteger))
                  .select_from(HISTOGRAMS.join(ROLLUPS, ROLLUPS.c.id == HISTOGRAMS.c.rollup_id))
-                 .where(*self._where(flt))
+                 .where(*conds)
                  .group_by(*groups, HISTOGRAMS.c.metric, HISTOGRAMS.c.bucket))
         n = len(groups)
         return [(tuple(row[:n]), row[n], row[n + 1], row[n + 2]) for row in self._conn.execute(query)]

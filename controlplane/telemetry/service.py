@@ -283,17 +283,20 @@ class RollupSummary:
 
 
 def summarize(session: Session, flt: RollupFilter, group_by: Sequence[str],
-              limit: int | None = None) -> tuple[list[RollupSummary], bool]:
+              limit: int | None = None, window_s: int | None = None,
+              metrics: Sequence[str] | None = None) -> tuple[list[RollupSummary], bool]:
     """Rollups merged per group of ``group_by`` (key fields), with their histograms.
 
     Returns the groups (ordered by the group fields) and whether more than
-    ``limit`` groups matched.
+    ``limit`` groups matched. With ``window_s``, a ``minute`` group is the
+    start of a window of that many seconds (merged in the database). With
+    ``metrics``, only those latency histograms are read (the others stay empty).
     """
     unknown = set(group_by) - set(KEY_FIELDS)
     if unknown:
         raise ValueError(f"cannot group by {sorted(unknown)}")
     repo = TelemetryRepository(session)
-    rows = repo.rollup_totals(flt, group_by, None if limit is None else limit + 1)
+    rows = repo.rollup_totals(flt, group_by, None if limit is None else limit + 1, window_s)
     truncated = limit is not None and len(rows) > limit
     rows = rows[:limit] if limit is not None else rows
     groups: dict[tuple[Any, ...], RollupSummary] = {}
@@ -301,7 +304,7 @@ def summarize(session: Session, flt: RollupFilter, group_by: Sequence[str],
         values = tuple(row[name] for name in group_by)
         groups[values] = RollupSummary(key=dict(zip(group_by, values, strict=True)),
                                        counters={name: row[name] for name in COUNTERS})
-    for values, metric, bucket, count in repo.rollup_histograms(flt, group_by):
+    for values, metric, bucket, count in repo.rollup_histograms(flt, group_by, window_s, metrics):
         summary = groups.get(values)
         if summary is not None:
             summary.histograms[metric][bucket] = count

@@ -23,7 +23,9 @@ def migrated_url(database_url: str) -> str:
 
 @pytest.fixture
 def settings(migrated_url: str) -> ControlPlaneSettings:
-    return ControlPlaneSettings(database_url=migrated_url, worker_stale_after_s=5, long_poll_max_s=30)
+    # No background guardrail evaluator: tests look at rollouts when they choose, not on a wall clock.
+    return ControlPlaneSettings(database_url=migrated_url, worker_stale_after_s=5, long_poll_max_s=30,
+                                guardrail_interval_s=0)
 
 
 @pytest.fixture

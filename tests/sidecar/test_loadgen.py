@@ -242,7 +242,7 @@ def test_a_corpus_module_as_prompt_source() -> None:
 
 
 def test_the_built_in_prompts_match_the_testbed_corpus_shapes() -> None:
-    corpus = pytest.importorskip("testbed.corpus")
+    from testbed import corpus
     testbed, ours = load_prompt_source("testbed.corpus", corpus_seed=1), SyntheticPrompts()
     assert set(corpus.ROUTES) == set(ours.routes())
     for route in corpus.ROUTES:

@@ -11,7 +11,9 @@ import pytest
 
 import policies
 from sidecar.events import TelemetryEvent
-from tests.sidecar.conftest import SEED, Sidecar, SidecarFactory, seed_bundle, wait_for
+from sidecar.proxy import build_app
+from sidecar.settings import SidecarSettings
+from tests.sidecar.conftest import SEED, RecordingExporter, Sidecar, SidecarFactory, seed_bundle, wait_for
 from tests.sidecar.fake_upstream import SPEC_METRICS, Blackhole, FakeEngine, closed_port, engine_metrics
 
 CHAT = "/v1/chat/completions"
@@ -198,6 +200,12 @@ def test_plain_engine_has_no_speculative_numbers(make_sidecar: SidecarFactory) -
 def test_expose_engine_metrics_keeps_them(make_sidecar: SidecarFactory) -> None:
     sidecar = make_sidecar(expose_engine_metrics=True)
     assert post(sidecar).json()["metrics"] == engine_metrics(True)
+
+
+def test_the_expose_engine_metrics_setting_turns_it_on_for_a_deployed_sidecar() -> None:
+    on = build_app(SidecarSettings(expose_engine_metrics=True), policies.PolicyStore(), RecordingExporter())
+    off = build_app(SidecarSettings(), policies.PolicyStore(), RecordingExporter())
+    assert (on.expose_engine_metrics, off.expose_engine_metrics) == (True, False)
 
 
 # --- streaming ---------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Analysis of the telemetry: summaries, speedups, recommendations, what-if, rollout guardrails."""

@@ -1,0 +1,62 @@
+"""The background guardrail evaluator: every SPECGATE_GUARDRAIL_INTERVAL_S, each running rollout's step.
+
+Each look is its own transaction (one rollout's rollback does not wait for
+another's evaluation). Several replicas may look at the same rollout; the
+rollback itself serialises on the policy, so a rollout is rolled back once,
+and a look at a rollout that ended meanwhile is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from controlplane.analysis import service
+from controlplane.analysis.schemas import GuardrailEvaluationRead
+from controlplane.db import unit_of_work
+from controlplane.errors import Conflict, NotFound
+from controlplane.models import utcnow
+from controlplane.rollout.service import GUARDRAIL_ACTOR
+
+log = logging.getLogger("specgate.controlplane.guardrails")
+
+
+def evaluate_now(app: Any, rollout_id: str, actor: str) -> GuardrailEvaluationRead:
+    """Evaluate one rollout's current step, commit, and wake the workers if the rollout changed."""
+    settings = app.state.settings
+    with unit_of_work(app.state.sessions) as session:
+        outcome = service.evaluate_guardrails(session, rollout_id, actor=actor, now=utcnow(),
+                                              alpha=settings.guardrail_alpha,
+                                              auto_promote=settings.guardrail_auto_promote)
+        read = GuardrailEvaluationRead.model_validate(outcome.evaluation)
+    if outcome.generation is not None:
+        app.state.hub.publish(outcome.generation)
+    if read.action != "none":
+        log.warning("guardrails %s rollout %s at step %d", read.action, rollout_id, read.step)
+    return read
+
+
+def evaluate_all(app: Any) -> list[GuardrailEvaluationRead]:
+    """One look at every running rollout."""
+    with unit_of_work(app.state.sessions) as session:
+        ids = service.running_rollouts(session)
+    out = []
+    for rollout_id in ids:
+        try:
+            out.append(evaluate_now(app, rollout_id, GUARDRAIL_ACTOR))
+        except (Conflict, NotFound):  # ended or deleted since it was listed
+            continue
+    return out
+
+
+async def run_evaluator(app: Any, interval_s: float) -> None:
+    """Loop until cancelled; an error in one round is logged and the next round runs."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await run_in_threadpool(evaluate_all, app)
+        except Exception:
+            log.exception("guardrail evaluation round failed")

@@ -1,0 +1,225 @@
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_CONTROL)]
+
+
+class SummaryGroup(StrEnum):
+    policy = "policy"
+    revision = "revision"
+    route = "route"
+    engine = "engine"
+    batch_bucket = "batch_bucket"
+    explored = "explored"
+    worker = "worker"
+
+
+class Window(StrEnum):
+    minute = "minute"
+    hour = "hour"
+    day = "day"
+
+
+class Quantiles(BaseModel):
+    p50: float | None
+    p95: float | None
+
+
+class SummaryRow(BaseModel):
+    key: dict[str, Any] = Field(description="the group's values; with `window`, also window_start")
+    requests: int
+    acceptance_rate: float | None = Field(description="accepted / drafted tokens")
+    mean_acceptance_length: float | None = Field(description="tokens per target step: 1 + accepted / steps")
+    ttft_ms: Quantiles
+    itl_ms: Quantiles
+    e2e_ms: Quantiles
+    retry_rate: float | None = Field(description="retries per request")
+    fallback_rate: float | None
+    error_rate: float | None
+    structured_validity_rate: float | None = Field(description="valid / checked structured outputs")
+
+
+class WorkerRow(BaseModel):
+    key: dict[str, Any]
+    requests: int
+    acceptance_rate: float | None
+    retry_rate: float | None
+    fallback_rate: float | None
+    error_rate: float | None
+    structured_validity_rate: float | None
+    itl_ms_mean: float | None
+    ttft_ms_mean: float | None
+    e2e_ms_mean: float | None
+
+
+class SummaryReport(BaseModel):
+    group_by: list[str]
+    window: Window | None
+    rows: list[SummaryRow] = Field(description="from the rollups (quantiles from their histograms)")
+    workers: list[WorkerRow] | None = Field(
+        default=None, description="with group_by=worker: per-worker means from the raw events of the window "
+                                  "(rollups have no worker; no quantiles)")
+    truncated: bool
+
+
+class Interval(BaseModel):
+    ratio: float = Field(description="plain / speculative latency (geometric means): above 1, speculation wins")
+    low: float
+    high: float
+    n_plain: int
+    n_speculative: int
+    confidence: float
+
+
+class Theory(BaseModel):
+    acceptance: float
+    k: int
+    cost_ratio: float = Field(description="draft / target cost per token, assumed by method unless given")
+    expected_tokens_per_step: float
+    speedup: float = Field(description="(1 - a^(k+1)) / ((1 - a)(k c + 1)), Leviathan et al. 2023")
+
+
+class SpeedupRow(BaseModel):
+    route: str
+    batch_bucket: int
+    batch_range: str
+    source: str = Field(description="holdout (explored requests), rollout (its two cohorts) or observational")
+    engine: str | None
+    method: str | None
+    k: int | None
+    n_speculative: int
+    n_plain: int
+    itl_speedup: Interval | None = Field(description="Welch interval on log inter-token latency")
+    e2e_speedup: Interval | None
+    verdict: str = Field(description="wins, loses, no clear difference, or insufficient evidence")
+    itl_ms_p50: dict[str, float | None]
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    theory: Theory | None
+
+
+class SpeedupReport(BaseModel):
+    policy: str
+    rollout: str | None
+    start: dt.datetime | None = Field(alias="from")
+    end: dt.datetime | None = Field(alias="to")
+    confidence: float
+    min_samples: int
+    rows: list[SpeedupRow]
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class CellsExport(BaseModel):
+    policy: str
+    start: dt.datetime | None = Field(alias="from")
+    end: dt.datetime | None = Field(alias="to")
+    cells: list[dict[str, Any]] = Field(description="controlplane.analysis.cells.Cell.to_dict() each")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class BeforeAfterReport(BaseModel):
+    policy: str
+    from_revision: str | None
+    to_revision: str | None
+    start: dt.datetime | None = Field(alias="from")
+    end: dt.datetime | None = Field(alias="to")
+    routes: list[dict[str, Any]] = Field(description="per route: before, after (summary figures) and change")
+    all_routes: dict[str, Any]
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class RecommendationRead(BaseModel):
+    id: str
+    kind: str = Field(description="raise_threshold, lower_threshold, exclude_route, change_k, switch_method, "
+                                  "quality_risk")
+    route: str
+    title: str
+    edit: dict[str, Any] | None = Field(description="the rule edit; null for a flag")
+    confidence: str = Field(description="high, medium or low")
+    expected_effect: dict[str, Any]
+    evidence: dict[str, Any] = Field(description="numbers, sample sizes and the per-bucket rows behind it")
+    message: str
+    applicable: bool = Field(description="false for a flag, or when the edit would not validate (see problems)")
+    problems: list[dict[str, Any]]
+
+
+class RecommendationList(BaseModel):
+    policy: str
+    revision: str = Field(description="the active revision the edits apply to")
+    start: dt.datetime | None = Field(alias="from")
+    end: dt.datetime | None = Field(alias="to")
+    recommendations: list[RecommendationRead]
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class AppliedRecommendation(BaseModel):
+    recommendation: RecommendationRead
+    revision: str = Field(description="the draft revision created (not active: roll it out to use it)")
+    seq: int
+    message: str
+
+
+class WhatIfRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    policy: Name
+    revision: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_CONTROL)] | None = Field(
+        default=None, description="a revision of the policy to score")
+    document: dict[str, Any] | None = Field(default=None, description="or a candidate document (not stored)")
+    start: dt.datetime | None = Field(default=None, alias="from", description="recorded window start (UTC)")
+    end: dt.datetime | None = Field(default=None, alias="to", description="recorded window end, exclusive")
+
+
+class WhatIfReport(BaseModel):
+    policy: str
+    candidate: str = Field(description="the candidate revision's id, or `candidate` for a document")
+    baseline: str = Field(description="the active revision it is compared with")
+    start: dt.datetime | None = Field(alias="from")
+    end: dt.datetime | None = Field(alias="to")
+    routes: list[dict[str, Any]]
+    all_routes: dict[str, Any]
+    truncated: bool
+    method: str
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class CheckRead(BaseModel):
+    guardrail: str
+    status: str = Field(description="pass, breach or pending")
+    limit: float | None
+    observed: float | None
+    interval: list[float] | None = Field(description="always-valid confidence interval of the compared quantity")
+    p_value: float | None = Field(description="always-valid p-value of a breach")
+    detail: str
+
+
+class GuardrailEvaluationRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    rollout_id: str
+    step: int
+    evaluated_at: dt.datetime
+    evaluated_by: str
+    verdict: str = Field(description="pass, breach or pending")
+    action: str = Field(description="none, rolled_back or promoted")
+    baseline_requests: int
+    canary_requests: int
+    checks: list[CheckRead]
+
+
+class GuardrailHistory(BaseModel):
+    rollout_id: str
+    state: str
+    evaluations: list[GuardrailEvaluationRead] = Field(description="newest first")

@@ -1,0 +1,594 @@
+"""Analysis use cases: summaries, speedups, before/after, recommendations, what-if, guardrails.
+
+Services never commit: the caller owns the unit of work. Latency quantiles
+and acceptance come from the telemetry rollups
+(:func:`controlplane.telemetry.service.summarize`); the statistics and the
+recommender are pure functions over :class:`~controlplane.analysis.cells.Cell`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from controlplane.analysis import edits
+from controlplane.analysis.cells import Cell, Cohort
+from controlplane.analysis.guardrails import StepEvaluation, evaluate_step
+from controlplane.analysis.recommend import (
+    Recommendation,
+    RecommendConfig,
+    cell_report,
+    engine_facts,
+    recommend,
+)
+from controlplane.analysis.repository import AnalysisRepository
+from controlplane.audit.service import record
+from controlplane.errors import Conflict, NotFound, ValidationFailed
+from controlplane.models import GuardrailEvaluation, Policy, Revision, Rollout
+from controlplane.policy import service as policy_service
+from controlplane.rollout import service as rollout_service
+from controlplane.rollout.schemas import RolloutAction
+from controlplane.telemetry.buckets import batch_bucket, batch_bucket_label
+from controlplane.telemetry.repository import RollupFilter
+from controlplane.telemetry.service import RollupSummary, summarize
+from policies import PolicyDocument, PolicyValidationError, RequestShape, compile_policy, validate_data
+
+WINDOWS = {"minute": 60, "hour": 3600, "day": 86400}
+SUMMARY_KEYS = ("policy", "revision", "route", "engine", "batch_bucket", "explored")
+MAX_SHAPE_GROUPS = 200_000
+
+
+def _field(path: str, code: str, message: str, where: str = "query") -> dict[str, str]:
+    return {"path": path, "in": where, "code": code, "message": message}
+
+
+def _invalid(*errors: dict[str, str]) -> ValidationFailed:
+    n = len(errors)
+    return ValidationFailed(f"{n} parameter{'s' if n != 1 else ''} did not validate", errors=list(errors))
+
+
+def _policy(session: Session, name: str, path: str = "policy") -> Policy:
+    policy = AnalysisRepository(session).policy(name)
+    if policy is None:
+        raise NotFound(f"policy {name!r} does not exist", errors=[_field(path, "not_found", "no such policy")])
+    return policy
+
+
+def _floor(when: dt.datetime, seconds: int) -> dt.datetime:
+    epoch = int(when.timestamp())
+    return dt.datetime.fromtimestamp(epoch - epoch % seconds, tz=dt.UTC)
+
+
+# --- summaries ----------------------------------------------------------------------------------
+
+def _cohort(summary: RollupSummary) -> Cohort:
+    return Cohort.from_rollup(summary.counters, summary.histograms)
+
+
+def describe(cohort: Cohort) -> dict[str, Any]:
+    """The figures of one summary row."""
+    def q(metric: str) -> dict[str, float | None]:
+        return {"p50": cohort.quantile(metric, 0.5), "p95": cohort.quantile(metric, 0.95)}
+
+    return {"requests": cohort.requests, "acceptance_rate": cohort.acceptance_rate,
+            "mean_acceptance_length": cohort.mean_acceptance_length, "ttft_ms": q("ttft"), "itl_ms": q("itl"),
+            "e2e_ms": q("e2e"), "retry_rate": cohort.retry_rate, "fallback_rate": cohort.fallback_rate,
+            "error_rate": cohort.error_rate, "structured_validity_rate": cohort.structured_validity}
+
+
+def summaries(session: Session, flt: RollupFilter, group_by: Sequence[str], window: str | None,
+              limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """Summary rows per ``group_by`` (rollup key fields) and, with ``window``, per time window."""
+    keys = [*group_by, "minute"] if window is not None else list(group_by)
+    rows, truncated = summarize(session, flt, keys, limit, WINDOWS[window] if window is not None else None)
+    out = []
+    for row in rows:
+        key = {name: row.key[name] for name in group_by}
+        if window is not None:
+            key["window_start"] = row.key["minute"]
+        if "batch_bucket" in key:
+            key["batch_range"] = batch_bucket_label(key["batch_bucket"])
+        out.append({"key": key, **describe(_cohort(row))})
+    return out, truncated
+
+
+def worker_summaries(session: Session, *, policy: str | None, route: str | None, start: dt.datetime | None,
+                     end: dt.datetime | None, limit: int) -> list[dict[str, Any]]:
+    rows = AnalysisRepository(session).worker_totals(policy=policy, route=route, start=start, end=end, limit=limit)
+    out = []
+    for r in rows:
+        n = int(r["requests"])
+        drafted = int(r["draft_tokens"] or 0)
+        checked = int(r["structured_checked"] or 0)
+        out.append({"key": {"worker_id": r["worker_id"]}, "requests": n,
+                    "acceptance_rate": int(r["accepted_tokens"] or 0) / drafted if drafted else None,
+                    "retry_rate": int(r["retries"] or 0) / n, "fallback_rate": int(r["fallbacks"] or 0) / n,
+                    "error_rate": int(r["errors"] or 0) / n,
+                    "structured_validity_rate": int(r["structured_valid"] or 0) / checked if checked else None,
+                    "itl_ms_mean": r["itl_ms_mean"], "ttft_ms_mean": r["ttft_ms_mean"],
+                    "e2e_ms_mean": r["e2e_ms_mean"]})
+    return out
+
+
+# --- cells: speculative vs plain per route and batch bucket -------------------------------------
+
+@dataclass(slots=True)
+class _Split:
+    spec: Cohort
+    spec_explored: Cohort
+    plain: Cohort
+    plain_explored: Cohort
+    engines: dict[str, Cohort]
+    engine_requests: dict[tuple[str, str, int], int]
+
+    @classmethod
+    def empty(cls) -> _Split:
+        return cls(Cohort(), Cohort(), Cohort(), Cohort(), defaultdict(Cohort), defaultdict(int))
+
+
+def _facts(session: Session, policy: Policy, revisions: Sequence[str]) -> dict[str, dict[str, tuple[str, int]]]:
+    docs = AnalysisRepository(session).documents(policy.id, revisions)
+    out: dict[str, dict[str, tuple[str, int]]] = {}
+    for rid, doc in docs.items():
+        try:
+            out[rid] = engine_facts(doc)
+        except PolicyValidationError:  # pragma: no cover - stored revisions were validated
+            out[rid] = {}
+    return out
+
+
+def _classify(summary: RollupSummary, facts: Mapping[str, Mapping[str, tuple[str, int]]]) -> tuple[str, int] | None:
+    """(method, k) of the engine a row ran on; None when it is not known to be speculative or plain."""
+    known = facts.get(summary.key["revision"], {}).get(summary.key["engine"])
+    if known is not None:
+        return known
+    c = summary.counters
+    if c["draft_tokens_sum"] > 0:
+        return ("unknown", 0)
+    if c["speculated"] == 0:
+        return ("none", 0)
+    return None
+
+
+def _splits(session: Session, policy: Policy, flt: RollupFilter) -> dict[tuple[str, int], _Split]:
+    # TTFT is not compared: reading only the ITL and e2e histograms saves a third of the rows.
+    rows, _ = summarize(session, flt, ["revision", "route", "batch_bucket", "engine", "explored"],
+                        metrics=("itl", "e2e"))
+    facts = _facts(session, policy, sorted({r.key["revision"] for r in rows}))
+    splits: dict[tuple[str, int], _Split] = defaultdict(_Split.empty)
+    for row in rows:
+        kind = _classify(row, facts)
+        if kind is None:
+            continue
+        method, k = kind
+        split = splits[(row.key["route"], row.key["batch_bucket"])]
+        cohort = _cohort(row)
+        if method == "none":
+            (split.plain_explored if row.key["explored"] else split.plain).add(cohort)
+        else:
+            (split.spec_explored if row.key["explored"] else split.spec).add(cohort)
+            split.engines[row.key["engine"]].add(_cohort(row))
+            split.engine_requests[(row.key["engine"], method, k)] += cohort.requests
+    return splits
+
+
+def _cell(route: str, bucket: int, split: _Split, spec: Cohort, plain: Cohort, source: str) -> Cell:
+    engine = method = None
+    k = None
+    if split.engine_requests:
+        engine, method, k = max(split.engine_requests, key=lambda e: split.engine_requests[e])
+    return Cell(route, bucket, spec, plain, source, engine, method, k or None, dict(split.engines))
+
+
+def cells(session: Session, policy_name: str, *, start: dt.datetime | None, end: dt.datetime | None,
+          route: str | None = None) -> list[Cell]:
+    """Per route and bucket: the holdout comparison where the policy explores, else all against all.
+
+    Holdout: where the policy mostly speculates, its speculative requests
+    against the explored ones that ran plain (and the other way round where it
+    mostly does not): the sticky hash chose who was explored, so the two
+    cohorts differ only by the engine.
+    """
+    policy = _policy(session, policy_name)
+    splits = _splits(session, policy, RollupFilter(policy=policy.name, route=route, start=start, end=end))
+    out = []
+    for (route_name, bucket), s in sorted(splits.items()):
+        if s.spec.requests >= s.plain.requests and s.plain_explored.requests:
+            out.append(_cell(route_name, bucket, s, s.spec, s.plain_explored, "holdout"))
+        elif s.plain.requests > s.spec.requests and s.spec_explored.requests:
+            out.append(_cell(route_name, bucket, s, s.spec_explored, s.plain, "holdout"))
+        else:
+            spec = Cohort().add(s.spec).add(s.spec_explored)
+            plain = Cohort().add(s.plain).add(s.plain_explored)
+            out.append(_cell(route_name, bucket, s, spec, plain, "observational"))
+    return out
+
+
+def rollout_cells(session: Session, rollout_id: str, *, now: dt.datetime) -> list[Cell]:
+    """Per route and bucket, where a rollout's two revisions decide differently: one cohort against the other."""
+    repo = AnalysisRepository(session)
+    rollout = _rollout(session, rollout_id)
+    policy = repo.policy_by_id(rollout.policy_id)
+    assert policy is not None
+    end = now if rollout.state in ("running", "paused") else rollout.updated_at
+    start = rollout.created_at
+    out = []
+    by_revision = {}
+    for rid in (rollout.from_revision_id, rollout.to_revision_id):
+        flt = RollupFilter(policy=policy.name, revision=rid, explored=False, start=_floor(start, 60),
+                           end=end + dt.timedelta(minutes=1))
+        by_revision[rid] = _splits(session, policy, flt)
+    before, after = by_revision[rollout.from_revision_id], by_revision[rollout.to_revision_id]
+    for key in sorted(set(before) & set(after)):
+        b, a = before[key], after[key]
+        b_spec, a_spec = b.spec.requests > b.plain.requests, a.spec.requests > a.plain.requests
+        if b_spec == a_spec:
+            continue
+        spec_side, plain_side = (b, a) if b_spec else (a, b)
+        out.append(_cell(key[0], key[1], spec_side, spec_side.spec, plain_side.plain, "rollout"))
+    return out
+
+
+def speedups(cell_list: Sequence[Cell], cfg: RecommendConfig) -> list[dict[str, Any]]:
+    return [cell_report(c, cfg) for c in cell_list]
+
+
+# --- before / after -----------------------------------------------------------------------------
+
+def _rollout(session: Session, rollout_id: str) -> Rollout:
+    rollout = AnalysisRepository(session).rollout(rollout_id)
+    if rollout is None:
+        raise NotFound(f"rollout {rollout_id!r} does not exist")
+    return rollout
+
+
+def before_after(session: Session, *, rollout_id: str | None, policy_name: str | None,
+                 from_revision: str | None, to_revision: str | None, start: dt.datetime | None,
+                 end: dt.datetime | None, now: dt.datetime) -> dict[str, Any]:
+    """Per route: the two revisions' p50/p95, retries and acceptance over one window.
+
+    For a rollout, the window is the rollout's life (its cohorts ran side by
+    side); otherwise the caller names the policy, both revisions and the window.
+    """
+    if rollout_id is not None:
+        rollout = _rollout(session, rollout_id)
+        policy = AnalysisRepository(session).policy_by_id(rollout.policy_id)
+        assert policy is not None
+        from_revision, to_revision = rollout.from_revision_id, rollout.to_revision_id
+        start = start or _floor(rollout.created_at, 60)
+        end = end or ((now if rollout.state in ("running", "paused") else rollout.updated_at)
+                      + dt.timedelta(minutes=1))
+    else:
+        missing = [_field(name, "missing", "required without `rollout`")
+                   for name, value in (("policy", policy_name), ("from_revision", from_revision),
+                                       ("to_revision", to_revision)) if value is None]
+        if missing:
+            raise _invalid(*missing)
+        assert policy_name is not None
+        policy = _policy(session, policy_name)
+    routes: dict[str, dict[str, Any]] = defaultdict(dict)
+    totals: dict[str, Any] = {}
+    for side, rid in (("before", from_revision), ("after", to_revision)):
+        rows, _ = summarize(session, RollupFilter(policy=policy.name, revision=rid, start=start, end=end),
+                            ["route"])
+        all_routes = Cohort()
+        for row in rows:
+            cohort = _cohort(row)
+            routes[row.key["route"]][side] = describe(cohort)
+            all_routes.add(cohort)
+        totals[side] = describe(all_routes)
+    report = []
+    for route, sides in sorted(routes.items()):
+        before, after = sides.get("before"), sides.get("after")
+        change = None
+        if before and after:
+            change = {f"{m}_{q}": _relative(before[m][q], after[m][q])
+                      for m in ("itl_ms", "e2e_ms") for q in ("p50", "p95")}
+            change["retry_rate"] = _delta(before["retry_rate"], after["retry_rate"])
+            change["acceptance_rate"] = _delta(before["acceptance_rate"], after["acceptance_rate"])
+        report.append({"route": route, "before": before, "after": after, "change": change})
+    return {"policy": policy.name, "from_revision": from_revision, "to_revision": to_revision, "from": start,
+            "to": end, "routes": report, "all_routes": totals}
+
+
+def _relative(before: float | None, after: float | None) -> float | None:
+    return None if before is None or before == 0 or after is None else after / before - 1
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+# --- recommendations ----------------------------------------------------------------------------
+
+def _active(session: Session, policy: Policy) -> Revision:
+    if policy.active_revision_id is None:
+        raise Conflict(f"policy {policy.name!r} has no active revision")
+    revision = AnalysisRepository(session).revision(policy.active_revision_id)
+    assert revision is not None
+    return revision
+
+
+def recommendations(session: Session, policy_name: str, *, start: dt.datetime | None, end: dt.datetime | None,
+                    cfg: RecommendConfig) -> tuple[Revision, list[Recommendation], list[Cell]]:
+    policy = _policy(session, policy_name)
+    revision = _active(session, policy)
+    cell_list = cells(session, policy.name, start=start, end=end)
+    return revision, recommend(revision.document, revision.id, cell_list, cfg), cell_list
+
+
+def _check_edits(revision: Revision, recs: list[Recommendation]) -> None:
+    """Mark the recommendations whose edit does not make a valid policy (with the library's errors)."""
+    for rec in recs:
+        if rec.edit is None:
+            rec.applicable = False
+            continue
+        try:
+            edits.apply_edit(revision.document, rec.edit)
+        except PolicyValidationError as exc:
+            rec.applicable = False
+            rec.problems = [{"path": e.path, "code": e.code, "message": e.message} for e in exc.errors]
+        except ValueError as exc:
+            rec.applicable = False
+            rec.problems = [{"path": "", "code": "not_applicable", "message": str(exc)}]
+
+
+def list_recommendations(session: Session, policy_name: str, *, start: dt.datetime | None,
+                         end: dt.datetime | None, cfg: RecommendConfig) -> tuple[Revision, list[Recommendation]]:
+    revision, recs, _ = recommendations(session, policy_name, start=start, end=end, cfg=cfg)
+    _check_edits(revision, recs)
+    return revision, recs
+
+
+def apply_recommendation(session: Session, rec_id: str, *, policy_name: str, start: dt.datetime | None,
+                         end: dt.datetime | None, cfg: RecommendConfig, actor: str) -> tuple[Revision, Recommendation]:
+    """Create a draft revision (not active) with a recommendation's edit; the message cites its evidence."""
+    revision, recs, _ = recommendations(session, policy_name, start=start, end=end, cfg=cfg)
+    rec = next((r for r in recs if r.id == rec_id), None)
+    if rec is None:
+        raise NotFound(f"recommendation {rec_id!r} does not hold for policy {policy_name!r} on this window "
+                       "(the evidence or the active revision changed): list the recommendations again")
+    if rec.edit is None:
+        raise Conflict(f"recommendation {rec_id!r} is a flag ({rec.kind}); it has no rule edit to apply")
+    try:
+        edited, _ = edits.apply_edit(revision.document, rec.edit)
+    except PolicyValidationError as exc:
+        raise ValidationFailed("the edited policy does not validate", errors=[
+            {"path": e.path, "in": "policy", "code": e.code, "message": e.message} for e in exc.errors]) from None
+    message = f"{rec.message} [recommendation {rec.id}, confidence {rec.confidence}, based on {revision.id[:12]}]"
+    outcome = policy_service.create_revision(
+        session, policy_name=policy_name,
+        submission=policy_service.Submission(data=edited, message=message[:4000]),
+        if_match=policy_service.IfMatch(any=True, tags=frozenset()), actor=actor)
+    record(session, actor=actor, action="recommendation.apply", target_type="revision",
+           target_id=outcome.revision.id,
+           before={"revision": revision.id},
+           after={"revision": outcome.revision.id, "created": outcome.created, "recommendation": rec.to_dict()},
+           reason=rec.message)
+    return outcome.revision, rec
+
+
+# --- what-if -------------------------------------------------------------------------------------
+
+def candidate_document(session: Session, policy: Policy, *, revision: str | None,
+                       document: Mapping[str, Any] | None) -> tuple[PolicyDocument, str]:
+    if (revision is None) == (document is None):
+        raise _invalid(_field("revision", "one_of", "give exactly one of `revision` and `document`", "body"))
+    if revision is not None:
+        row = AnalysisRepository(session).revision(revision)
+        if row is None or row.policy_id != policy.id:
+            raise ValidationFailed("no such revision of this policy", errors=[
+                _field("revision", "not_found", f"revision {revision!r} is not a revision of {policy.name!r}",
+                       "body")])
+        return validate_data(row.document), row.id
+    try:
+        doc = validate_data(document)
+    except PolicyValidationError as exc:
+        raise ValidationFailed("the candidate document does not validate", errors=[
+            {"path": f"document.{e.path}" if e.path else "document", "in": "body", "code": e.code,
+             "message": e.message} for e in exc.errors]) from None
+    if doc.name != policy.name:
+        raise ValidationFailed("the candidate is another policy", errors=[
+            _field("document.name", "name_mismatch", f"must be {policy.name!r}", "body")])
+    return doc, "candidate"
+
+
+def what_if(session: Session, policy_name: str, *, revision: str | None, document: Mapping[str, Any] | None,
+            start: dt.datetime | None, end: dt.datetime | None) -> dict[str, Any]:
+    """Decide every recorded request of the window with the active revision and with the candidate.
+
+    Exploration is left out (each shape gets the policy's own decision), so
+    the two columns differ only where the rules do. Latency is the measured
+    mean of the route and batch bucket on the engine class (speculative or
+    plain) a decision chooses, from the rollups of the same window; requests
+    in a bucket where a needed class was never measured are counted as
+    unestimated rather than guessed.
+    """
+    policy = _policy(session, policy_name)
+    doc, label = candidate_document(session, policy, revision=revision, document=document)
+    active = _active(session, policy)
+    before_policy = compile_policy(validate_data(active.document), active.id)
+    after_policy = compile_policy(doc, label)
+    fields, cuts = _shape_fields(validate_data(active.document), doc)
+    groups = AnalysisRepository(session).shape_groups(policy=policy.name, start=start, end=end,
+                                                      limit=MAX_SHAPE_GROUPS + 1, fields=fields, cuts=cuts)
+    truncated = len(groups) > MAX_SHAPE_GROUPS
+    splits = _splits(session, policy, RollupFilter(policy=policy.name, start=start, end=end))
+    means: dict[tuple[str, int], dict[bool, tuple[float | None, float | None]]] = {}
+    for key, split in splits.items():
+        spec = Cohort().add(split.spec).add(split.spec_explored)
+        plain = Cohort().add(split.plain).add(split.plain_explored)
+        means[key] = {True: (spec.itl_mean, spec.e2e_mean), False: (plain.itl_mean, plain.e2e_mean)}
+    per_route: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for g in groups[:MAX_SHAPE_GROUPS]:
+        try:
+            labels = json.loads(g.labels) if g.labels else {}
+        except ValueError:
+            labels = {}
+        shape = RequestShape(route=g.route, model=g.model, batch_size=g.batch_size,
+                             structured_output=g.structured_output, tools=g.tools, stream=g.stream,
+                             max_tokens=g.max_tokens, prompt_tokens=int(g.prompt_tokens), labels=labels)
+        before, after = before_policy.decide(shape), after_policy.decide(shape)
+        r = per_route[g.route]
+        n = g.requests
+        r["requests"] += n
+        r["recorded_speculated"] += g.speculated
+        r["speculated_before"] += n if before.speculate else 0
+        r["speculated_after"] += n if after.speculate else 0
+        if (before.engine, before.num_speculative_tokens) != (after.engine, after.num_speculative_tokens):
+            r["changed"] += n
+        measured = means.get((g.route, batch_bucket(g.batch_size)), {})
+        b, a = measured.get(before.speculate), measured.get(after.speculate)
+        if b is None or a is None or None in b or None in a:
+            r["unestimated"] += n
+            continue
+        r["estimated"] += n
+        r["itl_before"] += n * b[0]  # type: ignore[operator]
+        r["e2e_before"] += n * b[1]  # type: ignore[operator]
+        r["itl_after"] += n * a[0]  # type: ignore[operator]
+        r["e2e_after"] += n * a[1]  # type: ignore[operator]
+    routes = []
+    total: dict[str, float] = defaultdict(float)
+    for route, r in sorted(per_route.items()):
+        for name, value in r.items():
+            total[name] += value
+        routes.append(_what_if_row(route, r))
+    return {"policy": policy.name, "candidate": label, "baseline": active.id, "from": start, "to": end,
+            "routes": routes, "all_routes": _what_if_row(None, total), "truncated": truncated,
+            "method": "each recorded request shape decided with the active revision and with the candidate "
+                      "(no exploration); latency from the measured mean ITL and e2e of its route and batch bucket "
+                      "on the engine class each decision chooses"}
+
+
+def _shape_fields(*docs: PolicyDocument) -> tuple[set[str], dict[str, list[int]]]:
+    """The request fields the documents' rules test, and the cut points of their token ranges."""
+    fields: set[str] = set()
+    cuts: dict[str, set[int]] = defaultdict(set)
+    for doc in docs:
+        for rule in doc.rules:
+            when = rule.when
+            for name in ("model", "structured_output", "tools", "stream", "labels"):
+                if getattr(when, name) is not None:
+                    fields.add(name)
+            for name in ("max_tokens", "prompt_tokens"):
+                r = getattr(when, name)
+                if r is not None:
+                    fields.add(name)
+                    if r.min is not None:
+                        cuts[name].add(r.min)
+                    if r.max is not None:
+                        cuts[name].add(r.max + 1)
+    return fields, {name: sorted(points) for name, points in cuts.items()}
+
+
+def _what_if_row(route: str | None, r: Mapping[str, float]) -> dict[str, Any]:
+    n = r.get("requests", 0)
+    est = r.get("estimated", 0)
+
+    def share(name: str) -> float | None:
+        return r.get(name, 0) / n if n else None
+
+    def mean(metric: str) -> dict[str, float | None] | None:
+        if not est:
+            return None
+        before, after = r.get(f"{metric}_before", 0) / est, r.get(f"{metric}_after", 0) / est
+        return {"before": before, "after": after, "change": after / before - 1 if before else None}
+
+    row: dict[str, Any] = {
+        "requests": int(n), "recorded_speculated_share": share("recorded_speculated"),
+        "speculated_share_before": share("speculated_before"), "speculated_share_after": share("speculated_after"),
+        "decisions_changed": int(r.get("changed", 0)), "estimated_requests": int(est),
+        "unestimated_requests": int(r.get("unestimated", 0)), "itl_ms_mean": mean("itl"), "e2e_ms_mean": mean("e2e"),
+    }
+    return row if route is None else {"route": route, **row}
+
+
+# --- guardrails ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class GuardrailOutcome:
+    evaluation: GuardrailEvaluation
+    step: StepEvaluation
+    generation: int | None  # to publish after commit when the rollout changed
+
+
+def step_cohorts(session: Session, rollout: Rollout, policy: Policy, started_at: dt.datetime,
+                 now: dt.datetime) -> tuple[Cohort, Cohort]:
+    """Baseline (from-revision) and canary (to-revision) cohorts since the step started, from the rollups."""
+    start, end = _floor(started_at, 60), _floor(now, 60) + dt.timedelta(minutes=1)
+    out = []
+    for rid in (rollout.from_revision_id, rollout.to_revision_id):
+        rows, _ = summarize(session, RollupFilter(policy=policy.name, revision=rid, explored=False, start=start,
+                                                  end=end), [])
+        out.append(_cohort(rows[0]) if rows else Cohort())
+    return out[0], out[1]
+
+
+def evaluate_guardrails(session: Session, rollout_id: str, *, actor: str, now: dt.datetime, alpha: float,
+                        auto_promote: bool) -> GuardrailOutcome:
+    """Look at a running rollout's current step: record the look; roll back on a breach.
+
+    With ``auto_promote``, a step whose guardrails all pass moves on to the
+    next step (the last one completes the rollout). The caller commits, then
+    publishes ``generation`` when it is not None.
+    """
+    repo = AnalysisRepository(session)
+    rollout = _rollout(session, rollout_id)
+    if rollout.state != "running":
+        raise Conflict(f"rollout {rollout_id!r} is {rollout.state}: only a running rollout's guardrails are "
+                       "evaluated", state=rollout.state)
+    policy = repo.policy_by_id(rollout.policy_id)
+    assert policy is not None
+    target = repo.revision(rollout.to_revision_id)
+    assert target is not None
+    guardrails = validate_data(target.document).guardrails
+    step = repo.step(rollout.id, rollout.current_step)
+    assert step is not None
+    baseline, canary = step_cohorts(session, rollout, policy, step.started_at or rollout.created_at, now)
+    result = evaluate_step(baseline, canary, guardrails, alpha=alpha)
+    action = "none"
+    generation = None
+    position = rollout.current_step
+    if result.verdict == "breach":
+        breached = ", ".join(f"{c.guardrail} ({c.detail})" for c in result.breaches)
+        rollout_service.rollback_on_guardrail_breach(
+            session, rollout.id, reason=f"guardrail breach at step {position}: {breached}",
+            evidence=result.to_dict())
+        action = "rolled_back"
+        generation = _generation(session)
+    elif result.verdict == "pass" and auto_promote:
+        _, generation = rollout_service.apply_action(
+            session, rollout.id, RolloutAction.promote, actor=rollout_service.GUARDRAIL_ACTOR,
+            reason=f"guardrails passed at step {position} (baseline {result.baseline_requests}, "
+                   f"canary {result.canary_requests} requests)")
+        action = "promoted"
+    evaluation = repo.add_evaluation(GuardrailEvaluation(
+        rollout_id=rollout.id, step=position, evaluated_at=now, evaluated_by=actor, verdict=result.verdict,
+        action=action, baseline_requests=result.baseline_requests, canary_requests=result.canary_requests,
+        checks=[c.to_dict() for c in result.checks]))
+    return GuardrailOutcome(evaluation, result, generation)
+
+
+def _generation(session: Session) -> int:
+    return AnalysisRepository(session).generation()
+
+
+def guardrail_history(session: Session, rollout_id: str, limit: int) -> list[GuardrailEvaluation]:
+    _rollout(session, rollout_id)
+    return AnalysisRepository(session).evaluations(rollout_id, limit)
+
+
+def running_rollouts(session: Session) -> list[str]:
+    return AnalysisRepository(session).running_rollouts()
+
+
+
+
+def rollout_state(session: Session, rollout_id: str) -> str:
+    return _rollout(session, rollout_id).state

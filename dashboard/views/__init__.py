@@ -1,0 +1,1 @@
+"""The dashboard's pages: each module has a ``render()`` that draws one page."""

@@ -1,0 +1,98 @@
+"""Overview: the fleet, the policies and rollouts, the last hour in numbers, the kill switch."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, ui
+from dashboard.views.common import active_documents, open_rollouts_of
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def render() -> None:
+    session = ui.require_session()
+    api = session.api
+    st.title("Overview")
+    ui.show_flash()
+
+    switch = ui.call(api.kill_switch)
+    if switch is not None:
+        if switch.enabled:
+            st.error(f"**Kill switch is ON**: every request goes to the plain engine. Reason: {switch.reason or '-'} "
+                     f"({switch.changed_by or '?'}, {ui.ago(switch.changed_at)})")
+        else:
+            st.success("Kill switch is off: policies decide.")
+
+    fleet = ui.call(api.fleet)
+    policies = ui.call(api.policies) or []
+    st.subheader("Last hour")
+    now = dt.datetime.now(dt.UTC)
+    report = ui.call(lambda: api.rollups(group_by=["policy", "engine"], since=now - dt.timedelta(hours=1)))
+    if report is not None:
+        kinds = charts.engine_kinds(active_documents(api, policies))
+        numbers = charts.headline(report, kinds)
+        cols = st.columns(5)
+        cols[0].metric("Requests", f"{numbers['requests']:,}")
+        cols[1].metric("Speculated", _pct(numbers["speculated_share"]))
+        cols[2].metric("Acceptance", _pct(numbers["acceptance"]))
+        cols[3].metric("Retry rate", _pct(numbers["retry_rate"]))
+        cols[4].metric("Fallback rate", _pct(numbers["fallback_rate"]))
+        latency = charts.latency_by_kind(report, kinds)
+        if latency.empty:
+            st.caption("No telemetry in the last hour.")
+        else:
+            st.caption("Inter-token latency per engine, speculative vs plain (quantiles from the rollup histograms)")
+            st.dataframe(latency, hide_index=True, width="stretch")
+
+    st.subheader("Fleet")
+    if fleet is not None:
+        fleet_cols = st.columns(4)
+        fleet_cols[0].metric("Workers", fleet.overall.workers)
+        fleet_cols[1].metric("Stale", fleet.overall.stale)
+        live = fleet.overall.workers - fleet.overall.stale
+        fleet_cols[2].metric("Converged", f"{fleet.overall.converged_workers}/{live}")
+        fleet_cols[3].metric("Generation", fleet.generation)
+        if fleet.overall.workers == 0:
+            st.caption("No worker has registered yet.")
+        else:
+            st.dataframe(pd.DataFrame([{
+                "pool": p.pool, "workers": p.workers, "stale": p.stale, "converged": p.converged,
+                "revisions running": ", ".join(f"{ui.short(r.revision)} x{r.workers}" for r in p.revisions),
+            } for p in fleet.pools]), hide_index=True, width="stretch")
+            page = ui.call(lambda: api.workers(limit=200))
+            if page is not None:
+                st.dataframe(pd.DataFrame([{
+                    "worker": w.id, "pool": w.pool, "state": "stale" if w.stale else (
+                        "converged" if w.converged else "converging"),
+                    "running": ui.short(w.active_revision), "last heartbeat": ui.ago(w.last_heartbeat_at),
+                    "labels": ", ".join(f"{k}={v}" for k, v in w.labels.items()),
+                } for w in page.items]), hide_index=True, width="stretch")
+                if page.next_cursor:
+                    st.caption("Showing the first 200 workers.")
+
+    st.subheader("Policies")
+    if policies:
+        st.dataframe(pd.DataFrame([{
+            "policy": p.name, "pool": p.pool or "(any)", "active": ui.short(p.active_revision_id),
+            "head": ui.short(p.head_revision_id), "revisions": p.revision_count,
+            "draft pending": bool(p.head_revision_id and p.head_revision_id != p.active_revision_id),
+        } for p in policies]), hide_index=True, width="stretch")
+    else:
+        st.caption("No policies yet.")
+
+    st.subheader("Rollouts in progress")
+    open_rollouts = open_rollouts_of(session)
+    if open_rollouts:
+        st.dataframe(pd.DataFrame([{
+            "policy": r.policy, "state": r.state, "to": ui.short(r.to_revision), "mode": r.mode,
+            "step": f"{r.current_step + 1}/{len(r.steps)} ({r.current_percent:g}%)", "by": r.created_by,
+            "started": ui.ago(r.created_at), "reason": r.reason,
+        } for r in open_rollouts]), hide_index=True, width="stretch")
+    else:
+        st.caption("No rollout is running or paused.")

@@ -1,0 +1,215 @@
+"""Policies: a YAML editor with live validation, the diff against the active revision, a dry run,
+saving a draft revision, and each policy's history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import ui
+from dashboard.client import DraftCheck, Policy
+
+_NEW_POLICY_TEMPLATE = """\
+apiVersion: specgate/v1
+name: {name}
+engines:
+  base: {{method: none}}
+  draft: {{method: draft_model, model: models/draft, num_speculative_tokens: 3}}
+rules:
+  - name: chat-low-batch
+    when: {{route: [chat], batch_size: {{max: 4}}, structured_output: false}}
+    then: {{engine: draft}}
+default: {{engine: base}}
+"""
+
+
+def _labels(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if sep and key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _dry_run_shape(policy: str) -> dict[str, Any] | None:
+    st.markdown("**Dry run**: a request shape, and what the draft and the active revision decide for it.")
+    c1, c2, c3, c4 = st.columns(4)
+    route = c1.text_input("route", value="chat", key=f"dry_route_{policy}")
+    model = c2.text_input("model", value="", key=f"dry_model_{policy}")
+    batch = c3.number_input("batch size", min_value=0, max_value=100_000, value=2, step=1,
+                            key=f"dry_batch_{policy}")
+    max_tokens = c4.number_input("max_tokens (0: not set)", min_value=0, max_value=1_000_000, value=256,
+                                 key=f"dry_max_{policy}")
+    c5, c6, c7, c8 = st.columns(4)
+    structured = c5.checkbox("structured output", key=f"dry_structured_{policy}")
+    tools = c6.checkbox("tools", key=f"dry_tools_{policy}")
+    stream = c7.checkbox("stream", key=f"dry_stream_{policy}")
+    labels = c8.text_input("labels (k=v, ...)", value="", key=f"dry_labels_{policy}")
+    shape: dict[str, Any] = {"route": route, "batch_size": int(batch), "structured_output": structured,
+                             "tools": tools, "stream": stream, "labels": _labels(labels)}
+    if model:
+        shape["model"] = model
+    if max_tokens:
+        shape["max_tokens"] = int(max_tokens)
+    return shape
+
+
+def _new_policy(session: ui.Session) -> None:
+    with st.expander("New policy", expanded=False):
+        with st.form("new_policy"):
+            name = st.text_input("name (letters, digits, _ . -)")
+            pool = st.text_input("pool (empty: every pool without a policy of its own)")
+            description = st.text_input("description")
+            pressed = st.form_submit_button("Create policy", disabled=not session.can_edit)
+        if pressed:
+            created = ui.call(lambda: session.api.create_policy(name.strip(), pool.strip() or None,
+                                                                description.strip() or None))
+            if created is not None:
+                ui.flash(f"Policy {created.name} created: write its first revision below.")
+                st.session_state["sg_policy"] = created.name
+                st.rerun()
+
+
+def _editor(session: ui.Session, policy: Policy) -> None:
+    api = session.api
+    key = f"sg_editor_{policy.name}"
+    # The head the editor's text was based on: saving builds on it (If-Match), so a revision someone else
+    # saved in the meantime is a conflict to look at, not something silently overwritten.
+    base_key = f"sg_base_{policy.name}"
+    if key not in st.session_state:
+        start = _NEW_POLICY_TEMPLATE.format(name=policy.name)
+        if policy.head_revision_id:
+            head = ui.call(lambda: api.revision(policy.head_revision_id or ""))
+            if head is not None:
+                start = head.source_text or head.canonical_yaml
+        st.session_state[key] = start
+        st.session_state[base_key] = policy.head_revision_id
+    base = st.session_state.get(base_key)
+    if base != policy.head_revision_id:
+        c1, c2 = st.columns([4, 1])
+        c1.warning(f"A newer revision `{ui.short(policy.head_revision_id)}` was saved since this editor loaded "
+                   f"`{ui.short(base)}`: saving is refused until you reload it (your text is lost then).")
+        if c2.button("Load the newest", key=f"reload_{policy.name}"):
+            del st.session_state[key]
+            st.rerun()
+    text = st.text_area("Policy document (YAML)", key=key, height=360,
+                        help="Validated by the control plane as you edit (press Ctrl+Enter or click outside "
+                             "the editor to check).")
+    with st.expander("Dry run", expanded=True):
+        shape = _dry_run_shape(policy.name)
+
+    check: DraftCheck | None = ui.call(lambda: api.validate(policy.name, text,
+                                                            shapes=[shape] if shape else []))
+    if check is None:
+        st.session_state[f"sg_valid_{policy.name}"] = False
+        return
+    st.session_state[f"sg_valid_{policy.name}"] = True
+    if check.existing:
+        st.success(f"Valid. This document is already revision `{ui.short(check.revision_id)}`.")
+    else:
+        st.success(f"Valid. Saved, it would become revision `{ui.short(check.revision_id)}`.")
+
+    if check.evaluations and shape is not None:
+        rows = [{"revision": "draft", "engine": e.decision.engine, "speculate": e.decision.speculate,
+                 "k": e.decision.num_speculative_tokens, "rule": e.decision.rule} for e in check.evaluations]
+        if policy.active_revision_id:
+            active = ui.call(lambda: api.evaluate(policy.active_revision_id or "", [shape]))
+            for e in active or []:
+                rows.append({"revision": f"active ({ui.short(policy.active_revision_id)})",
+                             "engine": e.decision.engine, "speculate": e.decision.speculate,
+                             "k": e.decision.num_speculative_tokens, "rule": e.decision.rule})
+        st.markdown("**Decision for the dry-run shape**")
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+
+    st.markdown("**Diff against the active revision**")
+    if check.diff is None:
+        st.caption("The policy has no active revision yet: the first revision becomes active when saved.")
+    elif check.diff.identical:
+        st.caption(f"Identical to the active revision #{check.diff.against.seq}.")
+    else:
+        for line in check.diff.summary.lines():
+            st.markdown(f"- {line}")
+        st.code(check.diff.unified, language="diff")
+
+    with st.form(f"save_{policy.name}"):
+        message = st.text_input("Message (why this revision exists)", key=f"sg_message_{policy.name}",
+                                disabled=not session.can_edit)
+        pressed = st.form_submit_button("Save as draft revision", disabled=not session.can_edit or check.existing,
+                                        type="primary")
+    if pressed:
+        if not message.strip():
+            st.warning("Write a message: it stays with the revision in the history.")
+            return
+        saved = ui.call(lambda: api.save_revision(policy.name, text, message.strip(), head=base))
+        if saved is not None:
+            revision, created = saved
+            if created:
+                st.session_state[base_key] = revision.id
+            state = "active (the policy's first revision)" if revision.active else "a draft: roll it out from Rollouts"
+            ui.flash(f"Revision #{revision.seq} `{ui.short(revision.id)}` of {policy.name} saved; it is {state}."
+                     if created else f"Nothing saved: revision `{ui.short(revision.id)}` already has this content.")
+            st.rerun()
+
+
+def _history(session: ui.Session, policy: Policy) -> None:
+    stack_key = f"sg_hist_cursors_{policy.name}"
+    cursors: list[int | None] = st.session_state.setdefault(stack_key, [None])
+    page = ui.call(lambda: session.api.revisions(policy.name, cursor=cursors[-1],
+                                                 limit=session.settings.page_size))
+    if page is None:
+        return
+    if not page.items:
+        st.caption("No revisions yet.")
+        return
+    st.dataframe(pd.DataFrame([{
+        "seq": r.seq, "revision": ui.short(r.id), "active": "yes" if r.active else "", "author": r.author,
+        "message": r.message, "created": r.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+    } for r in page.items]), hide_index=True, width="stretch")
+    c1, c2, _ = st.columns([1, 1, 4])
+    if c1.button("Newer", disabled=len(cursors) == 1, key=f"hist_newer_{policy.name}"):
+        cursors.pop()
+        st.rerun()
+    if c2.button("Older", disabled=page.next_cursor is None, key=f"hist_older_{policy.name}"):
+        cursors.append(page.next_cursor)
+        st.rerun()
+    chosen = st.selectbox("Show revision", [r.id for r in page.items],
+                          format_func=lambda rid: next(f"#{r.seq} {ui.short(r.id)} {r.message}"
+                                                       for r in page.items if r.id == rid),
+                          key=f"hist_pick_{policy.name}")
+    if chosen:
+        revision = ui.call(lambda: session.api.revision(chosen))
+        if revision is not None:
+            st.code(revision.canonical_yaml, language="yaml")
+
+
+def render() -> None:
+    session = ui.require_session()
+    st.markdown("<style>.stTextArea textarea {font-family: ui-monospace, monospace; font-size: 13px;}</style>",
+                unsafe_allow_html=True)
+    st.title("Policies")
+    ui.show_flash()
+    ui.read_only_note(session, need=ui.EDIT_SCOPES)
+    _new_policy(session)
+    policies = ui.call(session.api.policies)
+    if not policies:
+        if policies is not None:
+            st.info("No policies yet.")
+        return
+    names = [p.name for p in policies]
+    if st.session_state.get("sg_policy") not in names:
+        st.session_state["sg_policy"] = names[0]
+    name = st.selectbox("Policy", names, key="sg_policy")
+    policy = next(p for p in policies if p.name == name)
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric("Pool", policy.pool or "(any)")
+    c2.metric("Active", ui.short(policy.active_revision_id))
+    c3.metric("Head", ui.short(policy.head_revision_id))
+    c4.metric("Revisions", policy.revision_count)
+    edit, history = st.tabs(["Edit a new revision", "History"])
+    with edit:
+        _editor(session, policy)
+    with history:
+        _history(session, policy)

@@ -1,0 +1,170 @@
+"""Recommendations: the analysis' suggested rule edits for a policy, each with its evidence, expected
+effect and confidence; one click turns one into a draft revision; what-if scores a revision against the
+recorded telemetry.
+
+The analysis API is optional: a control plane without it answers 404 at its paths, and the page says so.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import ui
+from dashboard.client import ApiError, Recommendation
+
+NOT_AVAILABLE = "Analysis not available: this control plane does not serve recommendations."
+WINDOWS = {"last hour": dt.timedelta(hours=1), "last 6 hours": dt.timedelta(hours=6),
+           "last 24 hours": dt.timedelta(days=1), "last 7 days": dt.timedelta(days=7)}
+
+
+def _missing(exc: ApiError) -> bool:
+    """A 404 of the route itself (not of a policy the analysis does not know)."""
+    return exc.status in (404, 405) and exc.problem.detail in ("Not Found", "Method Not Allowed")
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict):
+        if set(value) >= {"from", "to"}:
+            return f"{_fmt(value['from'])} -> {_fmt(value['to'])}"
+        return ", ".join(f"{k.replace('_', ' ')}: {_fmt(v)}" for k, v in value.items())
+    return str(value)
+
+
+def evidence_frame(evidence: dict[str, Any]) -> pd.DataFrame:
+    """Median ITL of speculative and plain per batch bucket, from the recommendation's evidence rows."""
+    rows = []
+    for bucket in evidence.get("buckets") or []:
+        if not isinstance(bucket, dict):
+            continue
+        itl = bucket.get("itl_ms_p50") or {}
+        for kind in ("speculative", "plain"):
+            if isinstance(itl, dict) and itl.get(kind) is not None:
+                rows.append({"batch_bucket": bucket.get("batch_bucket"), "batch": bucket.get("batch_range"),
+                             "engine": kind, "itl_ms_p50": itl[kind], "verdict": bucket.get("verdict", ""),
+                             "n": bucket.get(f"n_{kind}")})
+    return pd.DataFrame(rows)
+
+
+def _evidence_chart(evidence: dict[str, Any]) -> alt.Chart | None:
+    df = evidence_frame(evidence)
+    if df.empty:
+        return None
+    chart: alt.Chart = alt.Chart(df).mark_line(point=True).encode(
+        alt.X("batch_bucket:Q", title="batch size (bucket lower bound)", scale=alt.Scale(type="log", base=2)),
+        alt.Y("itl_ms_p50:Q", title="ITL p50 (ms)"),
+        alt.Color("engine:N", scale=alt.Scale(domain=["speculative", "plain"], range=["#e45756", "#4c78a8"])),
+        tooltip=["batch:N", "engine:N", alt.Tooltip("itl_ms_p50:Q", format=".1f"), "n:Q", "verdict:N"])
+    return chart.properties(height=200)
+
+
+def _card(session: ui.Session, rec: Recommendation, policy: str, params: dict[str, Any]) -> None:
+    with st.container(border=True):
+        st.markdown(f"**{rec.title}** · route `{rec.route}` · {rec.kind.replace('_', ' ')}")
+        if rec.message:
+            st.write(rec.message)
+        c1, c2 = st.columns([3, 1])
+        c1.markdown("**Expected effect**: " + _fmt({k: v for k, v in rec.expected_effect.items() if k != "text"})
+                    + (f"  \n{rec.expected_effect['text']}" if rec.expected_effect.get("text") else ""))
+        c2.metric("Confidence", rec.confidence or "-")
+        chart = _evidence_chart(rec.evidence)
+        if chart is not None:
+            st.altair_chart(chart, width="stretch")
+        with st.expander("Evidence (numbers)"):
+            st.code(json.dumps(rec.evidence, indent=2, default=str), language="json")
+        for problem in rec.problems:
+            st.caption(f"{problem.get('path', '')}: {problem.get('message', problem)}")
+        if not rec.applicable:
+            st.caption("A flag to look at: there is no edit to apply.")
+            return
+        if st.button("Create draft revision", key=f"apply_{rec.id}", disabled=not session.can_edit):
+            applied = ui.call(lambda: session.api.apply_recommendation(rec.id, policy, **params))
+            if applied is not None:
+                ui.flash(f"Draft revision #{applied.seq} `{ui.short(applied.revision)}` of {policy} created: "
+                         "review it on the Policies page, roll it out from Rollouts.")
+                st.rerun()
+
+
+def _what_if(session: ui.Session, policy: str, params: dict[str, Any]) -> None:
+    st.subheader("What-if")
+    st.caption("Score a revision (a draft, typically) on the recorded window: every recorded request is decided "
+               "again, latency estimated from the measured per-bucket numbers.")
+    page = ui.call(lambda: session.api.revisions(policy, limit=100))
+    if page is None or not page.items:
+        return
+    labels = {r.id: f"#{r.seq} {ui.short(r.id)}{' (active)' if r.active else ''} {r.message}" for r in page.items}
+    revision = st.selectbox("Revision", list(labels), format_func=labels.__getitem__, key=f"whatif_rev_{policy}")
+    if st.button("Score it", key="whatif_run"):
+        try:
+            report = session.api.what_if(policy, revision=revision, since=params.get("since"),
+                                         until=params.get("until"))
+        except ApiError as exc:
+            if _missing(exc):
+                st.info("What-if is not available on this control plane.")
+            else:
+                ui.show_problem(exc.problem)
+            return
+        st.session_state["whatif_report"] = report.model_dump()
+    shown = st.session_state.get("whatif_report")
+    if shown and shown.get("policy") == policy:
+        total = shown.get("all_routes") or {}
+        itl = total.get("itl_ms_mean") or {}
+        c1, c2, c3 = st.columns(3)
+        c1.metric("Decisions changed", f"{total.get('decisions_changed', 0):,} of {total.get('requests', 0):,}")
+        c2.metric("Speculated share", _fmt(total.get("speculated_share_after")),
+                  delta=None if total.get("speculated_share_before") is None or total.get("speculated_share_after")
+                  is None else f"{total['speculated_share_after'] - total['speculated_share_before']:+.1%}")
+        c3.metric("Mean ITL (ms)", _fmt(itl.get("after")),
+                  delta=None if itl.get("change") is None else f"{itl['change']:+.1%}", delta_color="inverse")
+        routes = shown.get("routes") or []
+        if routes:
+            st.dataframe(pd.DataFrame([{
+                "route": r.get("route"), "requests": r.get("requests"), "decisions changed": r.get("decisions_changed"),
+                "speculated before": r.get("speculated_share_before"), "after": r.get("speculated_share_after"),
+                "ITL change": (r.get("itl_ms_mean") or {}).get("change"),
+            } for r in routes]), hide_index=True, width="stretch")
+
+
+def render() -> None:
+    session = ui.require_session()
+    st.title("Recommendations")
+    ui.show_flash()
+    policies = ui.call(session.api.policies)
+    if policies is None:
+        return
+    names = [p.name for p in policies if p.active_revision_id]
+    if not names:
+        st.info("No policy has an active revision to analyse.")
+        return
+    c1, c2, c3 = st.columns(3)
+    policy = c1.selectbox("Policy", names, key="rec_policy")
+    window = c2.selectbox("Recorded window", list(WINDOWS), index=2, key="rec_window")
+    min_samples = c3.number_input("Requests per cohort before a bucket counts", min_value=2, max_value=1_000_000,
+                                  value=100, step=10, key="rec_min_samples")
+    until = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+    params: dict[str, Any] = {"since": until - WINDOWS[window], "until": until, "min_samples": int(min_samples)}
+    try:
+        listing = session.api.recommendations(policy, **params)
+    except ApiError as exc:
+        if _missing(exc):
+            st.info(NOT_AVAILABLE)
+        else:
+            ui.show_problem(exc.problem)
+        return
+    ui.read_only_note(session, need=ui.EDIT_SCOPES)
+    st.caption(f"For the active revision `{ui.short(listing.revision)}` of {policy}.")
+    if not listing.recommendations:
+        st.success("No recommendations: the recorded telemetry suggests no rule change (or there is too little of "
+                   "it: lower the cohort size to look anyway).")
+    for rec in listing.recommendations:
+        _card(session, rec, policy, params)
+    _what_if(session, policy, {"since": params["since"], "until": params["until"]})

@@ -1,0 +1,260 @@
+"""Local vLLM engine variants (CPU build): start, wait for health, record, stop exactly what was started.
+
+Each engine runs in its own process group (vLLM spawns an engine core and a
+worker), so stopping signals the group and nothing else. The state file
+records pid, process start time, port and log of each, so a later command
+(``specgate testbed stop``) stops them, and a recycled pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from testbed import env
+from testbed.models import ModelPaths, Testbed, ensure
+from testbed.paths import REPO_ROOT, file_lock
+
+VARIANTS = ("base", "ngram", "draft")
+MODEL_NAME = "specgate-tiny"
+DEFAULT_BASE_PORT = 8100
+NGRAM_K = 4
+DRAFT_K = 3
+
+
+def state_dir_default() -> Path:
+    explicit = os.environ.get("SPECGATE_TESTBED_STATE")
+    return Path(explicit) if explicit else REPO_ROOT / ".specgate" / "testbed"
+
+
+def speculative_config(variant: str, models: ModelPaths) -> dict[str, Any] | None:
+    if variant == "base":
+        return None
+    if variant == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": NGRAM_K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if variant == "draft":
+        return {"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": DRAFT_K}
+    raise ValueError(f"unknown engine variant {variant!r}; known: {', '.join(VARIANTS)}")
+
+
+def server_args(variant: str, port: int, models: ModelPaths, *, host: str = "127.0.0.1") -> list[str]:
+    """The vLLM server's arguments (after the interpreter) for one variant."""
+    args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(models.target),
+            "--served-model-name", MODEL_NAME, "--host", host, "--port", str(port),
+            "--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--enable-per-request-metrics"]
+    spec = speculative_config(variant, models)
+    if spec is not None:
+        # Per-request speculative metrics make a server without speculation refuse to start.
+        args += ["--speculative-config", json.dumps(spec, separators=(",", ":")),
+                 "--per-request-spec-decode-metrics", "summary"]
+    return args
+
+
+def ports_for(variants: Iterable[str], base_port: int) -> dict[str, int]:
+    """A fixed port per variant (base_port + its index in VARIANTS): the same variant, the same URL."""
+    out = {}
+    for name in variants:
+        if name not in VARIANTS:
+            raise ValueError(f"unknown engine variant {name!r}; known: {', '.join(VARIANTS)}")
+        out[name] = base_port + VARIANTS.index(name)
+    return out
+
+
+@dataclass
+class EngineRecord:
+    name: str
+    pid: int
+    start_ticks: int  # process start time (clock ticks since boot): tells our pid from a recycled one
+    port: int
+    url: str
+    log: str
+    started_at: float
+    ready_s: float | None = None
+
+
+class StateFile:
+    """JSON map of variant name -> EngineRecord, read and written under a lock."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / "engines.json"
+        self.lock = directory / "engines.lock"
+
+    def read(self) -> dict[str, EngineRecord]:
+        try:
+            raw = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        records: dict[str, EngineRecord] = {}
+        for name, entry in (raw.get("engines") or {}).items() if isinstance(raw, dict) else []:
+            try:
+                records[name] = EngineRecord(**entry)
+            except TypeError:
+                continue  # a record of another version: ignored, never signalled
+        return records
+
+    def write(self, records: Mapping[str, EngineRecord]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"engines": {n: asdict(r) for n, r in sorted(records.items())}}, indent=2) + "\n")
+        tmp.replace(self.path)
+
+
+# Engines started by this process: reaped here when stopped, so none lingers as a zombie.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat; None when the process is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its closing one.
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def is_alive(record: EngineRecord) -> bool:
+    return process_start_ticks(record.pid) == record.start_ticks
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _log_tail(path: str, lines: int = 25) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _signal_group(record: EngineRecord, sig: int) -> None:
+    if not is_alive(record):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(record.pid, sig)  # the engine leads its own group (start_new_session)
+
+
+def _terminate(record: EngineRecord, grace_s: float = 20.0) -> None:
+    _signal_group(record, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while is_alive(record) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if is_alive(record):
+        _signal_group(record, signal.SIGKILL)
+    child = _CHILDREN.pop(record.pid, None)
+    if child is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
+
+
+def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT, *,
+          state_dir: Path | None = None, timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None,
+          testbed: Testbed | None = None, quiet: bool = True) -> dict[str, str]:
+    """Start the variants not already running (building environment and models if needed, unless ``testbed``
+    names them); wait until all answer /health; return name -> base URL (``http://127.0.0.1:PORT``, OpenAI
+    paths under ``/v1``, served model name ``MODEL_NAME``).
+
+    On failure or timeout every engine this call started is stopped again, and the error names the log.
+    """
+    testbed = testbed or ensure(quiet=quiet)
+    state = StateFile(state_dir or state_dir_default())
+    ports = ports_for(variants, base_port)
+    started: list[tuple[EngineRecord, subprocess.Popen[bytes]]] = []
+    with file_lock(state.lock):
+        records = {n: r for n, r in state.read().items() if is_alive(r)}
+        for name, port in ports.items():
+            if name in records:
+                if records[name].port != port:
+                    raise RuntimeError(f"engine {name} already runs on port {records[name].port}, not {port}")
+                continue
+            log = state.directory / f"{name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("ab") as out:
+                out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} start {name} on port {port}\n".encode())
+                out.flush()
+                proc = subprocess.Popen(  # noqa: S603
+                    [str(testbed.python), *server_args(name, port, testbed.models)],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=env.engine_env(dict(extra_env or {})), start_new_session=True, cwd=state.directory)
+            _CHILDREN[proc.pid] = proc
+            ticks = process_start_ticks(proc.pid)
+            record = EngineRecord(name=name, pid=proc.pid, start_ticks=ticks or -1, port=port,
+                                  url=f"http://127.0.0.1:{port}", log=str(log), started_at=time.time())
+            records[name] = record
+            started.append((record, proc))
+        state.write(records)
+    try:
+        t0 = time.monotonic()
+        pending = {rec.name: (rec, proc) for rec, proc in started}
+        while pending:
+            for name, (rec, proc) in list(pending.items()):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"engine {name} exited with {proc.returncode} while starting; "
+                                       f"log {rec.log}:\n{_log_tail(rec.log)}")
+                if _healthy(rec.url):
+                    rec.ready_s = round(time.monotonic() - t0, 1)
+                    del pending[name]
+            if pending and time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"engines {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: "
+                                   + ", ".join(rec.log for rec, _ in pending.values()))
+            if pending:
+                time.sleep(1.0)
+    except BaseException:
+        for rec, _ in started:
+            _terminate(rec)
+        with file_lock(state.lock):
+            current = state.read()
+            for rec, _ in started:
+                current.pop(rec.name, None)
+            state.write(current)
+        raise
+    with file_lock(state.lock):
+        current = state.read()
+        for rec, _ in started:
+            current[rec.name] = rec
+        state.write(current)
+        return {name: current[name].url for name in ports}
+
+
+def stop(variants: Iterable[str] | None = None, *, state_dir: Path | None = None) -> list[str]:
+    """Stop the recorded engines (all, or the named ones); return the names stopped. Unknown names are ignored."""
+    state = StateFile(state_dir or state_dir_default())
+    with file_lock(state.lock):
+        records = state.read()
+        names = list(records) if variants is None else [n for n in variants if n in records]
+        stopped = []
+        for name in names:
+            record = records.pop(name)
+            if is_alive(record):
+                _terminate(record)
+                stopped.append(name)
+        state.write(records)
+    return stopped
+
+
+def status(*, state_dir: Path | None = None) -> dict[str, dict[str, Any]]:
+    """name -> record plus ``alive`` and ``healthy``, for every recorded engine."""
+    state = StateFile(state_dir or state_dir_default())
+    out = {}
+    for name, record in state.read().items():
+        alive = is_alive(record)
+        out[name] = {**asdict(record), "alive": alive, "healthy": alive and _healthy(record.url)}
+    return out

@@ -1,0 +1,421 @@
+"""Each page's logic with Streamlit's AppTest, against a real control plane (uvicorn, SQLite)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.app import create_app
+from controlplane.auth.schemas import Scope
+from controlplane.migrations_state import upgrade
+from controlplane.settings import ControlPlaneSettings
+from tests.controlplane.live import serve
+from tests.dashboard import seed
+from tests.dashboard.apptest import app, button, no_exception, page, texts, use
+from tests.dashboard.conftest import LiveControlPlane, _keys
+
+
+def _api(cp: LiveControlPlane, key: str | None = None) -> httpx.Client:
+    return httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {key or cp.admin}"}, timeout=30)
+
+
+def _metric(at: object, label: str) -> str:
+    values = [m.value for m in at.metric if m.label == label]  # type: ignore[attr-defined]
+    assert values, f"no metric {label!r}"
+    return str(values[0])
+
+
+# --- sign-in, navigation, errors ------------------------------------------------------------
+
+def test_sign_in_from_the_sidebar_then_every_page_renders(live_control_plane: LiveControlPlane,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    use(monkeypatch, cp.url, None)
+    at = app().run()
+    no_exception(at)
+    assert "Sign in with an API key" in texts(at.info)
+    at.sidebar.text_input[1].set_value("sgk_not-a-key")
+    at.sidebar.button[0].click().run()
+    assert "the API key is not known" in texts(at.sidebar.error)
+    at.sidebar.text_input[1].set_value(cp.operator)
+    at.sidebar.button[0].click().run()
+    no_exception(at)
+    assert "Signed in as **operator:olga** (operator)" in texts(at.sidebar.markdown)
+    assert [t.value for t in at.title] == ["Overview"]
+    assert "Kill switch is off" in texts(at.success)
+    button(at, "Sign out").click().run()
+    assert "Sign in with an API key" in texts(at.info)
+
+
+def test_refusals_are_messages_with_the_problem_detail(live_control_plane: LiveControlPlane,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    use(monkeypatch, cp.url, "sgk_revoked-or-never-made")
+    at = page("overview").run()
+    no_exception(at)
+    assert "Missing or invalid API key" in texts(at.error)
+    assert "the API key is not known" in texts(at.error)
+
+    use(monkeypatch, "http://127.0.0.1:9", cp.admin)  # nothing listens there
+    at = page("overview").run()
+    no_exception(at)
+    assert "Control plane unreachable" in texts(at.error)
+
+
+# --- overview -------------------------------------------------------------------------------
+
+def test_overview_shows_the_fleet_the_last_hour_and_the_kill_switch(live_control_plane: LiveControlPlane,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=30, per_minute=20)
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("overview").run()
+    no_exception(at)
+    assert _metric(at, "Requests") == f"{seeded.events:,}"
+    assert _metric(at, "Workers") == "6"
+    assert _metric(at, "Converged") == "5/6"
+    with _api(cp) as api:
+        totals = api.get("/v1/telemetry/rollups").json()["groups"][0]["counters"]
+    assert _metric(at, "Speculated") == f"{totals['speculated'] / totals['requests']:.1%}"
+    assert _metric(at, "Acceptance") == f"{totals['accepted_tokens_sum'] / totals['draft_tokens_sum']:.1%}"
+    assert "Kill switch is off" in texts(at.success)
+    workers = at.dataframe[2].value
+    assert sorted(workers["worker"]) == sorted(seeded.workers)
+    assert list(workers["state"]).count("converging") == 1
+
+    with _api(cp, cp.operator) as api:
+        api.put("/v1/killswitch", json={"enabled": True, "reason": "incident 42"}).raise_for_status()
+    at.run()
+    assert "Kill switch is ON" in texts(at.error)
+    assert "incident 42" in texts(at.error)
+
+
+# --- policies -------------------------------------------------------------------------------
+
+def _policies_page(cp: LiveControlPlane, monkeypatch: pytest.MonkeyPatch, key: str) -> object:
+    seed.create_policy(cp.url, cp.admin, "multi-route.yaml", "fleet", message="route-aware speculation")
+    use(monkeypatch, cp.url, key)
+    at = page("policies").run()
+    no_exception(at)
+    return at
+
+
+def test_policy_editor_validates_live_diffs_and_saves_a_draft(live_control_plane: LiveControlPlane,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    at = _policies_page(cp, monkeypatch, cp.admin)
+    source = (seed.EXAMPLES / "multi-route.yaml").read_text()
+    assert at.text_area(key="sg_editor_fleet").value == source
+    assert "it would become revision" not in texts(at.success)
+    assert "already revision" in texts(at.success)
+
+    at.text_area(key="sg_editor_fleet").set_value(source.replace("batch_size: {max: 4}",
+                                                                 "batch_size: {min: 5, max: 4}")).run()
+    no_exception(at)
+    error = texts(at.error)
+    assert "The policy document is invalid" in error
+    assert "`rules[2].when.batch_size.max (line 36)`: max (4) is below min (5)" in error
+    assert "[inverted_range]" in error
+    assert not [b for b in at.button if b.label == "Save as draft revision"]  # nothing to save
+
+    fixed = source.replace("batch_size: {max: 4}", "batch_size: {max: 5}")
+    at.text_area(key="sg_editor_fleet").set_value(fixed).run()
+    assert not at.error
+    assert "Valid. Saved, it would become revision" in texts(at.success)
+    assert "rules changed: chat-draft-small-batch" in texts(at.markdown)
+    diff = texts(at.code)
+    assert "-      max: 4" in diff
+    assert "+      max: 5" in diff
+
+    button(at, "Save as draft revision").click().run()
+    assert "Write a message" in texts(at.warning)
+    at.text_input(key="sg_message_fleet").set_value("chat speculates up to batch 5")
+    button(at, "Save as draft revision").click().run()
+    no_exception(at)
+    assert "Revision #2" in texts(at.success)
+    assert "it is a draft" in texts(at.success)
+    with _api(cp) as api:
+        policy = api.get("/v1/policies/fleet").json()
+        head = api.get(f"/v1/revisions/{policy['head_revision_id']}").json()
+    assert head["seq"] == 2
+    assert head["message"] == "chat speculates up to batch 5"
+    assert head["author"] == "admin:alice"
+    assert head["source_text"] == fixed
+    assert policy["active_revision_id"] != head["id"]
+    history = at.dataframe[-1].value
+    assert list(history["seq"]) == [2, 1]
+
+
+def test_dry_run_shows_the_draft_and_the_active_decision(live_control_plane: LiveControlPlane,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    at = _policies_page(cp, monkeypatch, cp.admin)
+    source = (seed.EXAMPLES / "multi-route.yaml").read_text()
+    at.text_area(key="sg_editor_fleet").set_value(source.replace("batch_size: {min: 5, max: 8}",
+                                                                 "batch_size: {min: 5, max: 5}"))
+    at.number_input(key="dry_batch_fleet").set_value(6).run()
+    no_exception(at)
+    decisions = next(d.value for d in at.dataframe if "rule" in d.value.columns)
+    rows = {r["revision"].split(" ")[0]: (r["engine"], r["rule"], r["k"]) for _, r in decisions.iterrows()}
+    assert rows["draft"] == ("base", "default", 0)
+    assert rows["active"] == ("draft", "chat-draft-medium-batch", 2)
+
+    at.checkbox(key="dry_structured_fleet").check().run()
+    decisions = next(d.value for d in at.dataframe if "rule" in d.value.columns)
+    assert set(decisions["rule"]) == {"no-structured"}
+
+
+def test_a_viewer_sees_policies_but_cannot_save(live_control_plane: LiveControlPlane,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    at = _policies_page(cp, monkeypatch, cp.viewer)
+    assert "you can look" in texts(at.caption)
+    source = (seed.EXAMPLES / "multi-route.yaml").read_text()
+    at.text_area(key="sg_editor_fleet").set_value(source.replace("max: 4}", "max: 3}")).run()
+    assert "Valid. Saved, it would become revision" in texts(at.success)  # validation is a read
+    assert button(at, "Save as draft revision").disabled
+    assert button(at, "Create policy").disabled
+
+
+# --- rollouts -------------------------------------------------------------------------------
+
+def test_rollout_needs_a_reason_and_a_confirmation_then_pause_and_abort(live_control_plane: LiveControlPlane,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=2, per_minute=5)
+    use(monkeypatch, cp.url, cp.operator)
+    at = page("rollouts").run()
+    no_exception(at)
+    assert at.selectbox(key="start_revision").value == seeded.draft
+
+    def rollouts() -> list[dict[str, object]]:
+        with _api(cp) as api:
+            items: list[dict[str, object]] = api.get("/v1/rollouts").json()["items"]
+            return items
+
+    button(at, "Start rollout").click().run()
+    assert "A reason is required" in texts(at.warning)
+    at.text_input(key="start_reason_0").set_value("canary the chat threshold")
+    button(at, "Start rollout").click().run()
+    assert "Tick the confirmation box" in texts(at.warning)
+    assert rollouts() == []
+    at.checkbox(key="start_confirm_0").check()
+    button(at, "Start rollout").click().run()
+    no_exception(at)
+    assert "started at 10%" in texts(at.success)
+    [started] = rollouts()
+    assert started["state"] == "running"
+    assert started["reason"] == "canary the chat threshold"
+    assert started["to_revision"] == seeded.draft
+    assert started["created_by"] == "operator:olga"
+
+    with _api(cp, cp.operator) as api:
+        evaluated = api.post(f"/v1/rollouts/{started['id']}/guardrails/evaluate")
+        assert evaluated.status_code == 200, evaluated.text
+    at.run()
+    assert f"Guardrails at step 1: **{evaluated.json()['verdict']}**" in texts(at.markdown)
+
+    key = f"act_{started['id']}"
+    at.selectbox(key=f"{key}_action").set_value("pause")
+    at.text_input(key=f"{key}_reason_1").set_value("looking at p95")
+    at.checkbox(key=f"{key}_confirm_1").check()
+    button(at, "Apply").click().run()
+    assert "pause done; it is now paused" in texts(at.success)
+    at.selectbox(key=f"{key}_action").set_value("abort")
+    at.text_input(key=f"{key}_reason_2").set_value("p95 up 30% on chat")
+    at.checkbox(key=f"{key}_confirm_2").check()
+    button(at, "Apply").click().run()
+    assert "abort done; it is now aborted" in texts(at.success)
+    assert rollouts()[0]["state"] == "aborted"
+    assert "No rollout is running or paused." in texts(at.caption)
+
+
+def test_rollout_refused_by_the_api_shows_the_field(live_control_plane: LiveControlPlane,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
+    use(monkeypatch, cp.url, cp.operator)
+    at = page("rollouts").run()
+    at.text_input(key="start_steps").set_value("10,50")
+    at.text_input(key="start_reason_0").set_value("try")
+    at.checkbox(key="start_confirm_0").check()
+    button(at, "Start rollout").click().run()
+    no_exception(at)
+    assert "`steps[1]`" in texts(at.error)
+    assert "last_not_100" in texts(at.error)
+
+
+def test_rollback_and_kill_switch_reach_the_audit_log(live_control_plane: LiveControlPlane,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
+    use(monkeypatch, cp.url, cp.operator, page_size="3")
+    at = page("rollouts").run()
+    at.selectbox(key="rollback_revision").set_value(seeded.draft)
+    at.text_input(key="rollback_reason_0").set_value("back to the known-good thresholds")
+    at.checkbox(key="rollback_confirm_0").check()
+    button(at, "Roll back").click().run()
+    no_exception(at)
+    assert f"fleet rolled back to `{seeded.draft[:12]}`" in texts(at.success)
+    at.text_input(key="killswitch_reason_1").set_value("incident 42: drafter OOM")
+    at.checkbox(key="killswitch_confirm_1").check()
+    button(at, "Turn the kill switch ON").click().run()
+    assert "Kill switch is now ON" in texts(at.success)
+    with _api(cp) as api:
+        assert api.get("/v1/policies/fleet").json()["active_revision_id"] == seeded.draft
+        assert api.get("/v1/killswitch").json()["enabled"] is True
+
+    audit = page("audit").run()
+    no_exception(audit)
+    newest = audit.dataframe[0].value
+    assert list(newest["action"])[:2] == ["killswitch.on", "policy.rollback"]
+    assert list(newest["reason"])[:2] == ["incident 42: drafter OOM", "back to the known-good thresholds"]
+    assert list(newest["actor"])[:2] == ["operator:olga", "operator:olga"]
+    assert "Page 1, newest first" in texts(audit.caption)
+    button(audit, "Older").click().run()
+    older = audit.dataframe[0].value
+    assert "Page 2, newest first" in texts(audit.caption)
+    assert max(older["#"]) < min(newest["#"])
+    assert len(older) == 3
+    audit.text_input(key="audit_q").set_value("known-good").run()
+    found = audit.dataframe[0].value
+    assert list(found["action"]) == ["policy.rollback"]
+    assert "Page 1, newest first" in texts(audit.caption)
+
+
+def test_a_viewer_has_every_rollout_control_disabled(live_control_plane: LiveControlPlane,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("rollouts").run()
+    no_exception(at)
+    assert "you can look, the controls on this page need an admin or operator key" in texts(at.caption)
+    for label in ("Start rollout", "Roll back", "Turn the kill switch ON"):
+        assert button(at, label).disabled
+    assert all(t.disabled for t in at.text_input if t.key and "reason" in t.key)
+
+
+# --- telemetry ------------------------------------------------------------------------------
+
+def test_telemetry_draws_the_charts_from_rollups_and_filters_by_route(live_control_plane: LiveControlPlane,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=20, per_minute=20)
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("telemetry").run()
+    no_exception(at)
+    assert not at.warning
+    assert len(at.get("vega_lite_chart")) == 5
+    assert f"{seeded.events:,} requests in the window" in texts(at.caption)
+
+    at.selectbox(key="tm_route").set_value("chat").run()
+    no_exception(at)
+    with _api(cp) as api:
+        chat = api.get("/v1/telemetry/rollups", params={"route": "chat"}).json()["groups"][0]["counters"]
+    assert 0 < chat["requests"] < seeded.events
+    assert f"{chat['requests']:,} requests in the window" in texts(at.caption)
+
+    at.selectbox(key="tm_pool").set_value("(any)").run()  # the seed policy's pool: no traffic there
+    assert "No telemetry in this window" in texts(at.info)
+
+
+# --- recommendations ------------------------------------------------------------------------
+
+def test_recommendation_becomes_a_draft_revision(live_control_plane: LiveControlPlane,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seed.seed_all(cp.url, cp.admin, cp.worker, minutes=60, per_minute=40)
+    use(monkeypatch, cp.url, cp.admin)
+    at = page("recommendations").run()
+    no_exception(at)
+    assert "For the active revision" in texts(at.caption)
+    at.number_input(key="rec_min_samples").set_value(30).run()
+    applicable = [b for b in at.button if b.label == "Create draft revision"]
+    assert applicable, texts(at.markdown)
+    with _api(cp) as api:
+        before = api.get("/v1/policies/fleet").json()["revision_count"]
+    applicable[0].click().run()
+    no_exception(at)
+    assert "Draft revision #3" in texts(at.success)
+    with _api(cp) as api:
+        policy = api.get("/v1/policies/fleet").json()
+    assert policy["revision_count"] == before + 1
+    assert policy["active_revision_id"] != policy["head_revision_id"]
+
+    button(at, "Score it").click().run()
+    no_exception(at)
+    assert "Decisions changed" in [m.label for m in at.metric]
+
+
+def test_without_the_analysis_api_the_page_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    database_url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(database_url)
+    keys = _keys(database_url)
+    application = create_app(ControlPlaneSettings(database_url=database_url))
+    missing = json.dumps({"type": "https://specgate.dev/problems/not-found", "title": "Not found", "status": 404,
+                          "detail": "Not Found"}).encode()
+
+    async def older_control_plane(scope: Any, receive: Any, send: Any) -> None:
+        """The control plane as it was before the analysis: its paths answer 404."""
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/recommendations", "/v1/analysis")):
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"application/problem+json")]})
+            await send({"type": "http.response.body", "body": missing})
+            return
+        await application(scope, receive, send)
+
+    with serve(older_control_plane) as url:  # type: ignore[arg-type]
+        seed.create_policy(url, keys[Scope.admin], "seed.yaml", None, message="first")
+        use(monkeypatch, url, keys[Scope.viewer])
+        at = page("recommendations").run()
+    no_exception(at)
+    assert "Analysis not available" in texts(at.info)
+    assert not at.error
+
+
+def test_a_new_policy_gets_its_first_revision_from_the_editor(live_control_plane: LiveControlPlane,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    use(monkeypatch, cp.url, cp.admin)
+    at = page("policies").run()
+    assert "No policies yet." in texts(at.info)
+    at.text_input[0].set_value("chat-pool")
+    at.text_input[1].set_value("chat")
+    button(at, "Create policy").click().run()
+    no_exception(at)
+    assert "Policy chat-pool created" in texts(at.success)
+    assert "name: chat-pool" in at.text_area(key="sg_editor_chat-pool").value
+    assert "The policy has no active revision yet" in texts(at.caption)
+    at.text_input(key="sg_message_chat-pool").set_value("first rules for the chat pool")
+    button(at, "Save as draft revision").click().run()
+    assert "it is active (the policy's first revision)" in texts(at.success)
+    with _api(cp) as api:
+        policy = api.get("/v1/policies/chat-pool").json()
+    assert policy["pool"] == "chat"
+    assert policy["active_revision_id"] == policy["head_revision_id"]
+
+
+def test_saving_against_a_stale_head_shows_the_current_head(live_control_plane: LiveControlPlane,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    at = _policies_page(cp, monkeypatch, cp.admin)
+    source = (seed.EXAMPLES / "multi-route.yaml").read_text()
+    rival = seed.add_revision(cp.url, cp.admin, "fleet", source.replace("max: 4}", "max: 2}"), "someone else")
+    at.text_area(key="sg_editor_fleet").set_value(source.replace("max: 4}", "max: 3}")).run()
+    at.text_input(key="sg_message_fleet").set_value("mine")
+    button(at, "Save as draft revision").click().run()
+    no_exception(at)
+    error = texts(at.error)
+    assert "Precondition failed" in error
+    assert f"current head: `{rival['id']}`" in error
+    assert "A newer revision" in texts(at.warning)
+    with _api(cp) as api:
+        assert api.get("/v1/policies/fleet").json()["revision_count"] == 2
+    button(at, "Load the newest").click().run()
+    assert at.text_area(key="sg_editor_fleet").value == source.replace("max: 4}", "max: 2}")
+    assert "A newer revision" not in texts(at.warning)

@@ -1,0 +1,109 @@
+"""Engine bookkeeping without an engine: arguments, ports, the state file, stopping only what was started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed import engines
+from testbed.models import ModelPaths
+
+MODELS = ModelPaths(root=Path("/m"), target=Path("/m/target"), draft=Path("/m/draft"))
+
+
+def test_base_has_no_speculation_and_no_spec_metrics_flag() -> None:
+    args = engines.server_args("base", 8100, MODELS)
+    assert "--speculative-config" not in args
+    assert "--per-request-spec-decode-metrics" not in args
+    assert "--enable-per-request-metrics" in args
+    assert args[args.index("--model") + 1] == "/m/target"
+    assert args[args.index("--dtype") + 1] == "float32"
+    assert args[args.index("--max-model-len") + 1] == "1024"
+
+
+@pytest.mark.parametrize(("variant", "method"), [("ngram", "ngram"), ("draft", "draft_model")])
+def test_speculative_variants(variant: str, method: str) -> None:
+    args = engines.server_args(variant, 8101, MODELS)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec["method"] == method
+    assert args[args.index("--per-request-spec-decode-metrics") + 1] == "summary"
+    assert "--enable-per-request-metrics" in args
+    if variant == "draft":
+        assert spec["model"] == "/m/draft"
+
+
+def test_ports_are_fixed_per_variant() -> None:
+    assert engines.ports_for(["draft", "base"], 9000) == {"draft": 9002, "base": 9000}
+    with pytest.raises(ValueError, match="unknown engine variant"):
+        engines.ports_for(["eagle"], 9000)
+    with pytest.raises(ValueError, match="unknown engine variant"):
+        engines.server_args("eagle", 1, MODELS)
+
+
+def _record(name: str, pid: int, ticks: int) -> engines.EngineRecord:
+    return engines.EngineRecord(name=name, pid=pid, start_ticks=ticks, port=1, url="http://127.0.0.1:1",
+                                log="x.log", started_at=0.0)
+
+
+def test_state_file_round_trip_and_garbage(tmp_path: Path) -> None:
+    state = engines.StateFile(tmp_path / "s")
+    assert state.read() == {}
+    rec = _record("base", 123, 456)
+    state.write({"base": rec})
+    assert state.read() == {"base": rec}
+    state.path.write_text("{not json")
+    assert state.read() == {}
+    state.path.write_text(json.dumps({"engines": {"base": {"pid": 1}, "ngram": {**rec.__dict__, "name": "ngram"}}}))
+    assert list(state.read()) == ["ngram"]
+
+
+def test_a_recycled_pid_is_not_ours() -> None:
+    ticks = engines.process_start_ticks(os.getpid())
+    assert ticks is not None
+    assert engines.is_alive(_record("base", os.getpid(), ticks))
+    assert not engines.is_alive(_record("base", os.getpid(), ticks + 1))
+    assert engines.process_start_ticks(2**22 + 12345) is None
+
+
+def test_stop_kills_the_whole_group_it_recorded_and_forgets_dead_ones(tmp_path: Path) -> None:
+    # A leader with a child in its own session, like the vLLM server and its engine core.
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                             "print('up', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == b"up"
+    child = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
+                               check=True).stdout.split()[0])
+    ticks = engines.process_start_ticks(proc.pid)
+    assert ticks is not None
+    state = engines.StateFile(tmp_path)
+    state.write({"base": _record("base", proc.pid, ticks), "ngram": _record("ngram", proc.pid, ticks + 1)})
+    try:
+        assert engines.stop(["ngram"], state_dir=tmp_path) == []  # not ours: a recycled pid
+        assert proc.poll() is None
+        assert list(state.read()) == ["base"]
+        assert engines.stop(state_dir=tmp_path) == ["base"]
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while engines.process_start_ticks(child) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engines.process_start_ticks(child) is None
+        assert state.read() == {}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_status_reports_dead_engines(tmp_path: Path) -> None:
+    engines.StateFile(tmp_path).write({"draft": _record("draft", 2**22 + 12345, 1)})
+    status = engines.status(state_dir=tmp_path)
+    assert status["draft"]["alive"] is False
+    assert status["draft"]["healthy"] is False
