@@ -96,11 +96,15 @@ def sweep_cmd(
     base_port: PortOpt = engines.DEFAULT_BASE_PORT,
     http: Annotated[bool, typer.Option("--http/--no-http")] = True,
     offline: Annotated[bool, typer.Option("--offline/--no-offline")] = True,
+    reps: Annotated[int, typer.Option(help="timed offline runs per cell; the fastest counts")] = 2,
 ) -> None:
     """Measure tokens/s, ITL, TTFT and acceptance per variant and route (HTTP and offline); write JSON + markdown."""
+    unknown = [r for r in routes.split(",") if r not in corpus.ROUTES]
+    if unknown:
+        raise typer.BadParameter(f"unknown route(s) {', '.join(unknown)}; known: {', '.join(corpus.ROUTES)}")
     result = sweep.run(out, variants=_variants(variants.split(",")), routes=routes.split(","),
                        concurrencies=[int(c) for c in concurrency.split(",")],
                        batches=[int(b) for b in batches.split(",")], per_cell=per_cell, max_tokens=max_tokens,
-                       base_port=base_port, http=http, offline=offline)
+                       base_port=base_port, http=http, offline=offline, reps=reps)
     typer.echo(sweep.markdown(result))
     typer.echo(f"raw results: {out / 'sweep.json'}")

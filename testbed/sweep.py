@@ -89,13 +89,14 @@ def summarize(responses: Sequence[dict[str, Any]], wall_s: float, errors: int = 
 
 
 def prompts_for(route: str, n: int, seed: int) -> list[str]:
+    """Held-out requests in the models' language: ``seed`` must be the recipe's, which also draws its words."""
     return [ex.prompt for ex in corpus.requests(route, n, seed)]
 
 
 def http_sweep(url: str, variant: str, routes: Sequence[str], concurrencies: Sequence[int], per_cell: int,
                max_tokens: int, seed: int) -> list[dict[str, Any]]:
     # Warm-up: the first requests of a fresh server pay for compilation and cache allocation.
-    asyncio.run(_cell(url, prompts_for("chat", 4, seed + 7), 2, max_tokens))
+    asyncio.run(_cell(url, prompts_for("chat", 4, seed), 2, max_tokens))
     rows = []
     for route in routes:
         for c in concurrencies:
@@ -111,12 +112,14 @@ def http_sweep(url: str, variant: str, routes: Sequence[str], concurrencies: Seq
 
 
 def offline_sweep(python: Path, variant: str, target: Path, draft: Path, out: Path, routes: Sequence[str],
-                  batches: Sequence[int], max_tokens: int, seed: int) -> dict[str, Any]:
+                  batches: Sequence[int], max_tokens: int, seed: int, reps: int = 2) -> dict[str, Any]:
     cmd = [str(python), "-m", "testbed.offline", "--variant", variant, "--target", str(target), "--draft",
            str(draft), "--out", str(out), "--routes", ",".join(routes), "--batches", ",".join(map(str, batches)),
            "--max-tokens", str(max_tokens), "--seed", str(seed),
-           "--ngram-k", str(engines.NGRAM_K), "--draft-k", str(engines.DRAFT_K)]
-    log = out.with_suffix(".log")
+           "--ngram-k", str(engines.NGRAM_K), "--draft-k", str(engines.DRAFT_K), "--reps", str(reps)]
+    # vLLM's log names local paths: it goes beside the engines' logs, not into the committed results.
+    log = engines.state_dir_default() / f"offline-{variant}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as handle:
         result = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env.engine_env(),  # noqa: S603
                                 check=False)
@@ -130,7 +133,7 @@ def offline_sweep(python: Path, variant: str, target: Path, draft: Path, out: Pa
 def run(out_dir: Path, *, variants: Sequence[str] = engines.VARIANTS, routes: Sequence[str] = corpus.ROUTES,
         concurrencies: Sequence[int] = CONCURRENCY, batches: Sequence[int] = BATCHES, per_cell: int = 16,
         max_tokens: int = MAX_TOKENS, base_port: int = engines.DEFAULT_BASE_PORT, http: bool = True,
-        offline: bool = True, seed: int = 7) -> dict[str, Any]:
+        offline: bool = True, seed: int = RECIPE["seed"], reps: int = 2) -> dict[str, Any]:
     """Run the sweep one engine at a time (so engines never compete for the cores); return and write results."""
     out_dir.mkdir(parents=True, exist_ok=True)
     testbed = ensure()
@@ -138,7 +141,8 @@ def run(out_dir: Path, *, variants: Sequence[str] = engines.VARIANTS, routes: Se
         "machine": {"cpus": _cpus(), "python": platform.python_version(), "platform": platform.platform()},
         "recipe": RECIPE, "training": testbed.models.report, "settings": {
             "concurrency": list(concurrencies), "batches": list(batches), "per_cell": per_cell,
-            "max_tokens": max_tokens, "ngram_k": engines.NGRAM_K, "draft_k": engines.DRAFT_K, "seed": seed},
+            "max_tokens": max_tokens, "ngram_k": engines.NGRAM_K, "draft_k": engines.DRAFT_K, "seed": seed,
+            "offline_reps": reps},
         "startup_s": {}, "http": [], "offline": [], "offline_startup_s": {},
     }
     if http:
@@ -157,7 +161,7 @@ def run(out_dir: Path, *, variants: Sequence[str] = engines.VARIANTS, routes: Se
     if offline:
         for variant in variants:
             data = offline_sweep(testbed.python, variant, testbed.models.target, testbed.models.draft,
-                                 out_dir / f"offline-{variant}.json", routes, batches, max_tokens, seed)
+                                 out_dir / f"offline-{variant}.json", routes, batches, max_tokens, seed, reps)
             result["offline"] += data["rows"]
             result["offline_startup_s"][variant] = round(data["startup_s"], 1)
             _write(out_dir, result)
@@ -182,16 +186,24 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def crossover(speedups: Sequence[tuple[int, float | None]]) -> str:
-    """The first load at which speculation stops paying (speedup < 1), given (load, speedup) in load order."""
+    """Where speculation pays (speedup >= 1) and where it loses, given (load, speedup) in load order.
+
+    Both sets are listed, not just the first loss: on a shared machine one noisy cell must not read as the
+    crossover.
+    """
     known = [(load, s) for load, s in speedups if s is not None]
     if not known:
         return "-"
-    if all(s < 1 for _, s in known):
-        return "never pays"
-    for load, s in known:
-        if s < 1:
-            return f"loses from {load}"
-    return f"pays up to {known[-1][0]}"
+    pays = [str(load) for load, s in known if s >= 1]
+    loses = [str(load) for load, s in known if s < 1]
+    if not loses:
+        return f"pays at every load ({', '.join(pays)})"
+    if not pays:
+        return f"never pays ({', '.join(loses)})"
+    last_pay = max(load for load, s in known if s >= 1)
+    first_loss = min(load for load, s in known if s < 1)
+    shape = f"crossover between {last_pay} and {first_loss}" if last_pay < first_loss else "no clean crossover"
+    return f"pays at {', '.join(pays)}; loses at {', '.join(loses)} ({shape})"
 
 
 def markdown(result: dict[str, Any]) -> str:

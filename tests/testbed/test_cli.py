@@ -57,6 +57,7 @@ def test_status_shows_a_recorded_engine_that_is_gone(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv", [["testbed", "start", "eagle"], ["testbed", "stop", "base", "medusa"],
                                   ["testbed", "sweep", "--variants", "base,eagle", "--no-http", "--no-offline"],
+                                  ["testbed", "sweep", "--routes", "chat,poetry", "--no-http", "--no-offline"],
                                   ["testbed", "start", "--base-port", "x"]])
 def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
     result = runner.invoke(app, argv)

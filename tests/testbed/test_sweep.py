@@ -33,9 +33,11 @@ def test_summarize_without_speculation() -> None:
 
 
 def test_crossover() -> None:
-    assert sweep.crossover([(1, 1.5), (2, 1.2), (4, 0.9), (8, 0.7)]) == "loses from 4"
-    assert sweep.crossover([(1, 1.5), (2, 1.2)]) == "pays up to 2"
-    assert sweep.crossover([(1, 0.5), (2, 0.9)]) == "never pays"
+    assert sweep.crossover([(1, 1.5), (2, 1.2), (4, 0.9), (8, 0.7)]) == \
+        "pays at 1, 2; loses at 4, 8 (crossover between 2 and 4)"
+    assert sweep.crossover([(1, 1.5), (2, 1.2)]) == "pays at every load (1, 2)"
+    assert sweep.crossover([(1, 0.5), (2, 0.9)]) == "never pays (1, 2)"
+    assert sweep.crossover([(1, 1.1), (2, 0.9), (4, 1.2)]) == "pays at 1, 4; loses at 2 (no clean crossover)"
     assert sweep.crossover([(1, None)]) == "-"
 
 
@@ -47,9 +49,9 @@ def test_markdown_tables() -> None:
                for v, b, tps in [("base", 1, 100.0), ("ngram", 1, 250.0), ("base", 32, 1000.0), ("ngram", 32, 900.0)]]
     text = sweep.markdown({"http": http, "offline": offline})
     assert "| chat | 1 | 4.00 | 2.00 | 2.00 |" in text
-    assert "- chat / ngram: loses from 16" in text
+    assert "- chat / ngram: pays at 1; loses at 16 (crossover between 1 and 16)" in text
     assert "| chat | 32 | 1000 | 900 | 0.90 |" in text
-    assert "- chat / ngram: loses from 32" in text
+    assert "- chat / ngram: pays at 1; loses at 32 (crossover between 1 and 32)" in text
 
 
 def test_http_sweep_against_a_fake_openai_server() -> None:
