@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from policies import PolicyDocument, validate_data
@@ -79,15 +80,23 @@ def _isolate(doc: Doc, index: int, route: str) -> int:
     return index
 
 
-def set_batch_max(doc: Doc, route: str, batch_max: int) -> Doc:
-    """Speculate for ``route`` up to ``batch_max`` requests in flight (the rules' batch_size.max)."""
-    out = copy.deepcopy(doc)
-    indexes = _route_rules(out, route)
+def _route_rules_isolated(doc: Doc, route: str) -> Iterator[Doc]:
+    """Yield, for editing in place, each rule that sends ``route`` to a speculative engine, isolated to it.
+
+    Yields the rule itself, not its index: isolating a rule inserts a copy and shifts the indexes after
+    it. Raises ValueError, before anything is changed, when no rule does."""
+    indexes = _route_rules(doc, route)
     if not indexes:
         raise ValueError(f"no rule sends route {route!r} to a speculative engine")
     for index in reversed(indexes):
-        at = _isolate(out, index, route)
-        when = out["rules"][at].setdefault("when", {})
+        yield doc["rules"][_isolate(doc, index, route)]
+
+
+def set_batch_max(doc: Doc, route: str, batch_max: int) -> Doc:
+    """Speculate for ``route`` up to ``batch_max`` requests in flight (the rules' batch_size.max)."""
+    out = copy.deepcopy(doc)
+    for rule in _route_rules_isolated(out, route):
+        when = rule.setdefault("when", {})
         low = (when.get("batch_size") or {}).get("min")
         when["batch_size"] = {"max": batch_max} if low is None else {"min": low, "max": max(batch_max, low)}
     return out
@@ -118,12 +127,8 @@ def exclude_route(doc: Doc, route: str) -> Doc:
 def set_k(doc: Doc, route: str, k: int) -> Doc:
     """Draft ``k`` tokens per step for ``route`` (the rules' then.num_speculative_tokens)."""
     out = copy.deepcopy(doc)
-    indexes = _route_rules(out, route)
-    if not indexes:
-        raise ValueError(f"no rule sends route {route!r} to a speculative engine")
-    for index in reversed(indexes):
-        at = _isolate(out, index, route)
-        out["rules"][at]["then"]["num_speculative_tokens"] = k
+    for rule in _route_rules_isolated(out, route):
+        rule["then"]["num_speculative_tokens"] = k
     return out
 
 
@@ -141,12 +146,8 @@ def set_engine(doc: Doc, route: str, engine: str) -> Doc:
     out = copy.deepcopy(doc)
     if engine not in _speculative_engines(out):
         raise ValueError(f"{engine!r} is not a speculative engine of the policy")
-    indexes = _route_rules(out, route)
-    if not indexes:
-        raise ValueError(f"no rule sends route {route!r} to a speculative engine")
-    for index in reversed(indexes):
-        at = _isolate(out, index, route)
-        out["rules"][at]["then"] = {"engine": engine}
+    for rule in _route_rules_isolated(out, route):
+        rule["then"] = {"engine": engine}
     return out
 
 

@@ -30,7 +30,7 @@ from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, ValidationFailed, problems
 from controlplane.models import utcnow
-from controlplane.telemetry.endpoints import parse_utc
+from controlplane.telemetry.endpoints import parse_group_by, parse_utc
 from controlplane.telemetry.repository import RollupFilter
 
 router = APIRouter(responses=AUTH_RESPONSES)
@@ -63,22 +63,7 @@ def _window(start: str | None, end: str | None) -> tuple[dt.datetime | None, dt.
 
 
 def _group_by(values: list[str]) -> list[SummaryGroup]:
-    out: list[SummaryGroup] = []
-    errors = []
-    for i, value in enumerate(part.strip() for item in values for part in item.split(",")):
-        if not value:
-            continue
-        try:
-            group = SummaryGroup(value)
-        except ValueError:
-            errors.append({"path": f"group_by[{i}]", "in": "query", "code": "enum",
-                           "message": f"{value!r} is not one of: {', '.join(g.value for g in SummaryGroup)}"})
-            continue
-        if group not in out:
-            out.append(group)
-    if errors:
-        raise ValidationFailed(f"{len(errors)} group_by value{'s' if len(errors) != 1 else ''} not known",
-                               errors=errors)
+    out = parse_group_by(values, SummaryGroup)
     if SummaryGroup.worker in out and len(out) > 1:
         raise ValidationFailed("group_by=worker stands alone", errors=[
             {"path": "group_by", "in": "query", "code": "worker_alone",

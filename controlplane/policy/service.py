@@ -459,9 +459,8 @@ def _read_shape(index: int, data: Any) -> tuple[RequestShape | None, list[dict[s
     return shape, problems
 
 
-def evaluate(session: Session, rid: str, shapes: Sequence[Any]) -> list[tuple[RequestShape, Decision]]:
-    """Decide each shape under one revision, as a worker running it would (kill switch aside)."""
-    compiled = _compiled(session, rid)
+def _read_shapes(shapes: Sequence[Any]) -> list[RequestShape]:
+    """Read every shape, collecting all their problems into one 422 rather than stopping at the first."""
     parsed: list[RequestShape] = []
     errors: list[dict[str, Any]] = []
     for i, data in enumerate(shapes):
@@ -472,6 +471,13 @@ def evaluate(session: Session, rid: str, shapes: Sequence[Any]) -> list[tuple[Re
     if errors:
         n = len(errors)
         raise ValidationFailed(f"{n} problem{'s' if n != 1 else ''} in the request shapes", errors=errors)
+    return parsed
+
+
+def evaluate(session: Session, rid: str, shapes: Sequence[Any]) -> list[tuple[RequestShape, Decision]]:
+    """Decide each shape under one revision, as a worker running it would (kill switch aside)."""
+    compiled = _compiled(session, rid)
+    parsed = _read_shapes(shapes)
     return [(shape, compiled.decide(shape)) for shape in parsed]
 
 
@@ -510,16 +516,7 @@ def check_draft(session: Session, *, submission: Submission, policy_name: str,
                                    from_label=f"{policy.name}@{active.seq} (active)",
                                    to_label=f"{policy.name} (draft {loaded.id[:12]})")
             summary = summarize_changes(active.document, loaded.canonical)
-    parsed: list[RequestShape] = []
-    errors: list[dict[str, Any]] = []
-    for i, data in enumerate(shapes):
-        shape, problems = _read_shape(i, data)
-        errors.extend(problems)
-        if shape is not None:
-            parsed.append(shape)
-    if errors:
-        n = len(errors)
-        raise ValidationFailed(f"{n} problem{'s' if n != 1 else ''} in the request shapes", errors=errors)
+    parsed = _read_shapes(shapes)
     compiled = compile_policy(loaded.document, loaded.id) if parsed else None
     decisions = [(shape, compiled.decide(shape)) for shape in parsed] if compiled is not None else []
     existing = RevisionRepository(session).exists(loaded.id)

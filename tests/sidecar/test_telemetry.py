@@ -139,6 +139,17 @@ def spool_files(state: Path) -> list[Path]:
     return sorted(p for p in (state / "spool").iterdir() if p.name.endswith(".json.gz"))
 
 
+async def start_against_a_hanging_control_plane(state: Path) -> tuple[IngestDouble, TelemetryExporter]:
+    """A started exporter whose POSTs never get an answer; a long flush interval leaves sending to full
+    batches and ``stop``, which is what the stop-deadline tests exercise."""
+    ingest = IngestDouble()
+    await ingest.start()
+    ingest.mode = "hang"
+    exporter = exporter_for(ingest, state, telemetry_flush_s=60)
+    await exporter.start()
+    return ingest, exporter
+
+
 # --- the tests --------------------------------------------------------------------------------
 
 def test_every_event_arrives_exactly_once_across_failures_an_outage_and_lost_answers(tmp_path: Path) -> None:
@@ -348,11 +359,7 @@ def test_memory_over_its_bound_spills_to_the_spool_while_the_control_plane_is_sl
 
 def test_stop_spools_what_a_hanging_control_plane_did_not_take_in_time(tmp_path: Path) -> None:
     async def scenario() -> None:
-        ingest = IngestDouble()
-        await ingest.start()
-        ingest.mode = "hang"
-        exporter = exporter_for(ingest, tmp_path / "state", telemetry_flush_s=60)
-        await exporter.start()
+        ingest, exporter = await start_against_a_hanging_control_plane(tmp_path / "state")
         for i in range(150):
             exporter.submit(event(i))
         await until(lambda: ingest.posts == 1)  # the first full batch is stuck in its POST
@@ -372,11 +379,7 @@ def test_stop_spools_what_a_hanging_control_plane_did_not_take_in_time(tmp_path:
 
 def test_stop_saves_a_batch_whose_delivery_could_not_be_cancelled_in_time(tmp_path: Path) -> None:
     async def scenario() -> None:
-        ingest = IngestDouble()
-        await ingest.start()
-        ingest.mode = "hang"
-        exporter = exporter_for(ingest, tmp_path / "state", telemetry_flush_s=60)
-        await exporter.start()
+        ingest, exporter = await start_against_a_hanging_control_plane(tmp_path / "state")
 
         async def stuck_spool_write(batch: Any) -> None:
             await asyncio.sleep(3600)  # a disk that stalls: the sender never finishes on its own
