@@ -104,7 +104,9 @@ def serve(host: Annotated[str, typer.Option()] = "127.0.0.1",
     settings = ControlPlaneSettings()
     if migrate:
         upgrade(settings.database_url)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    # Long-polls (up to long_poll_max_s) and change streams never end on their own: without a bound, SIGTERM
+    # would wait for them. After it, they are cancelled (workers reconnect) and the lifespan shutdown runs.
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
 
 @db_app.command("upgrade")
