@@ -37,8 +37,11 @@ browser:
 test: lint typecheck browser
 	$(BIN)/python -m pytest -q
 
-# The control plane on SQLite (.specgate/), example policies loaded; prints
-# its URL, the API docs and a fresh admin key. Ctrl-C stops it.
+# The whole product on one machine: the control plane on SQLite (.specgate/)
+# with the example policies, real vLLM CPU engines with the testbed's tiny
+# models (built once, then cached), a sidecar, looping traffic and the
+# dashboard; prints every URL and a fresh admin key. Ctrl-C stops it all.
+# `.venv/bin/specgate up --no-engines` brings up only the control plane and dashboard.
 run: install
 	$(BIN)/specgate up
 

@@ -23,7 +23,7 @@ The module splits into a pure core (parsing and validating options into a
 generators), which the tests exercise without a network, and the asyncio
 runner :func:`run_load` (aiohttp).
 
-From Python (what ``make run`` does): ``plan = build_plan(url=..., schedule="1:30s,4:30s")``
+From Python: ``plan = build_plan(url=..., schedule="1:30s,4:30s")``
 then ``summary = await run_load(plan, stop=event, on_progress=print, report_every_s=5)``;
 setting ``event`` ends the run early, and :func:`format_summary` renders the report.
 

@@ -58,6 +58,8 @@ def loadgen(
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
     max_error_rate: Annotated[float, typer.Option("--max-error-rate", help="exit 1 when a larger share of "
                                                   "requests failed")] = 1.0,
+    repeat: Annotated[bool, typer.Option("--loop", help="run the schedule again and again (a new seed and run id "
+                                       "each round) until Ctrl-C; the report covers the last round")] = False,
 ) -> None:
     """Send a route mix of OpenAI requests on a concurrency schedule; report latency, errors, speculation.
 
@@ -69,6 +71,7 @@ def loadgen(
     import contextlib
     import json
     import signal
+    from dataclasses import replace
 
     from sidecar.loadgen import LoadgenError, build_plan, format_summary, load_prompt_source, run_load
 
@@ -96,12 +99,21 @@ def loadgen(
             # outside the main thread (or on Windows) signals stay with the default handlers
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, stop.set)
-        return await run_load(plan, on_progress=progress, report_every_s=report_every, stop=stop)
+        current, round_number = plan, 1
+        while True:
+            summary = await run_load(current, on_progress=progress, report_every_s=report_every, stop=stop)
+            if not repeat or stop.is_set():
+                return summary
+            progress(f"round {round_number}: " + format_summary(summary).splitlines()[0])
+            # Fresh request ids each round: the same ids would be the same requests to an idempotent telemetry store.
+            current = replace(plan, seed=plan.seed + round_number, run_id=f"{plan.run_id}r{round_number}")
+            round_number += 1
 
     stages = ", ".join(f"{s.concurrency} for {s.duration_s:g}s" if s.duration_s else f"{s.concurrency}"
                        for s in plan.stages)
     progress(f"loadgen {plan.run_id}: {plan.url}{plan.path}, concurrency {stages}"
-             + (f", at most {plan.requests} requests" if plan.requests else ""))
+             + (f", at most {plan.requests} requests" if plan.requests else "")
+             + (", looping until stopped" if repeat else ""))
     try:
         summary = asyncio.run(main())
     except LoadgenError as exc:

@@ -120,6 +120,11 @@ HAND_CHECKED = {
     ("multi-route", "draft"): ([[1, 64, 3]], {64: 3}, "DraftTarget"),
     # chat-low-batch: batch_size <= 4 -> draft (k 3).
     ("seed", "draft"): ([[1, 4, 3], [5, 64, 0]], {4: 3}, "DraftTarget"),
+    # testbed: extract-ngram, batch_size <= 8 -> ngram (k 4).
+    ("testbed", "ngram"): ([[1, 8, 4], [9, 64, 0]], {8: 4}, "NGram"),
+    # text-draft-small-batch: k 3 up to 4, and exploration sends explored plain decisions to `draft`
+    # at any batch size: 3 everywhere.
+    ("testbed", "draft"): ([[1, 64, 3]], {64: 3}, "DraftTarget"),
 }
 
 

@@ -364,7 +364,8 @@ def test_up_serves_the_examples_with_a_working_admin_key_and_stops_on_sigint(tmp
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([*_specgate(), "up", "--data-dir", str(tmp_path / "data"), "--port", str(port)],
+    proc = subprocess.Popen([*_specgate(), "up", "--no-engines", "--data-dir", str(tmp_path / "data"),
+                             "--port", str(port)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stderr is not None
@@ -422,7 +423,7 @@ def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = CliRunner().invoke(cli_app, ["up", "--data-dir", str(tmp_path), "--port", str(port)],
+        result = CliRunner().invoke(cli_app, ["up", "--no-engines", "--data-dir", str(tmp_path), "--port", str(port)],
                                     env={"SPECGATE_DATABASE_URL": None})
     assert result.exit_code == 2, result.output
     assert f"127.0.0.1:{port} is in use" in result.stderr

@@ -21,8 +21,8 @@ def test_up_starts_the_dashboard_and_stops_it(tmp_path: Path) -> None:
     port, dashboard_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([*_specgate(), "up", "--data-dir", str(tmp_path / "data"), "--port", str(port),
-                             "--dashboard-port", str(dashboard_port)],
+    proc = subprocess.Popen([*_specgate(), "up", "--no-engines", "--data-dir", str(tmp_path / "data"),
+                             "--port", str(port), "--dashboard-port", str(dashboard_port)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     try:
