@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,16 @@ class LiveControlPlane:
     operator: str
     viewer: str
     worker: str
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_main_module() -> Iterator[None]:
+    # Streamlit's script runner (AppTest included) installs the page as sys.modules["__main__"] and never
+    # puts the old one back. A later test that starts a "spawn" process pool then has every worker
+    # re-run a dashboard page as its main module; the workers die and the pool waits forever.
+    main = sys.modules["__main__"]
+    yield
+    sys.modules["__main__"] = main
 
 
 def _keys(database_url: str) -> dict[Scope, str]:
