@@ -142,7 +142,7 @@ def make_body(args: tuple[str, int, int, int, float]) -> bytes:
     events = [make_event(rng, f"{run}-{index}-{i}", worker, at + dt.timedelta(milliseconds=i))
               for i in range(size)]
     body = {"batch_id": f"{run}-b{index}", "worker_id": worker, "schema_version": 1, "events": events}
-    return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), 6)
+    return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), 6, mtime=0)
 
 
 def prepare_bodies(count: int, size: int, seed: int) -> tuple[str, list[bytes]]:
