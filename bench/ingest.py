@@ -53,9 +53,9 @@ from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
 from bench.machine import machine_facts
+from controlplane.auth.local import mint_keys
 from controlplane.auth.schemas import Scope
-from controlplane.auth.service import create_key
-from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+from controlplane.db import make_engine
 from controlplane.migrations_state import upgrade
 from controlplane.models import TelemetryBatchRecord, TelemetryEventRecord, TelemetryRollup
 
@@ -176,13 +176,7 @@ def fresh_database(kind: str, pg_admin_url: str) -> Iterator[str]:
 
 
 def worker_key(url: str) -> str:
-    engine = make_engine(url)
-    try:
-        with unit_of_work(make_sessionmaker(engine)) as session:
-            _, token = create_key(session, name="bench-sender", scope=Scope.worker, created_by="bench:ingest")
-    finally:
-        engine.dispose()
-    return token
+    return mint_keys(url, {"bench-sender": Scope.worker}, created_by="bench:ingest")["bench-sender"]
 
 
 def free_port() -> int:

@@ -64,9 +64,8 @@ import httpx
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from controlplane.auth.local import mint_keys
 from controlplane.auth.schemas import Scope
-from controlplane.auth.service import create_key
-from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.migrations_state import upgrade
 from policies import BundlePayload, BundleVerifier, Revision, SigningKey, load_policy
 from tests.controlplane.factories import seed_policy, seed_text
@@ -196,14 +195,8 @@ def seed(url: str, extra_revisions: int = 1) -> Fixture:
     """Revision A (active) and ``extra_revisions`` drafts (B, then C, D, ... for --fresh), keys, ETags."""
     texts = [seed_text(POLICY, threshold=4 + i) for i in range(1 + extra_revisions)]
     _, revisions = seed_policy(url, texts[0], name=POLICY, extra_revisions=tuple(texts[1:]))
-    engine = make_engine(url)
-    try:
-        with unit_of_work(make_sessionmaker(engine)) as session:
-            _, worker_token = create_key(session, name="bench-workers", scope=Scope.worker, created_by="bench")
-            _, operator_token = create_key(session, name="bench-operator", scope=Scope.operator,
-                                           created_by="bench")
-    finally:
-        engine.dispose()
+    keys = mint_keys(url, {"bench-workers": Scope.worker, "bench-operator": Scope.operator}, created_by="bench")
+    worker_token, operator_token = keys["bench-workers"], keys["bench-operator"]
     etags = {}
     for rid, source in zip(revisions, texts, strict=True):
         revision = Revision.of(load_policy(source))

@@ -30,9 +30,8 @@ import yaml
 
 from controlplane import devstack
 from controlplane.app import create_app
+from controlplane.auth.local import mint_keys
 from controlplane.auth.schemas import Scope
-from controlplane.auth.service import create_key
-from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
 from testbed.engines import process_start_ticks
@@ -189,17 +188,13 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
     if leftovers:
         _say(f"stopped what an earlier `specgate up` left running: {', '.join(leftovers)}")
     upgrade(url)
-    engine = make_engine(url)
-    try:
-        with unit_of_work(make_sessionmaker(engine)) as session:
-            _, token = create_key(session, name=f"make-run-{int(time.time())}", scope=Scope.admin,
-                                  created_by="cli:make-run")
-            worker_token = None
-            if not no_engines:
-                _, worker_token = create_key(session, name=f"make-run-sidecar-{int(time.time())}",
-                                             scope=Scope.worker, created_by="cli:make-run")
-    finally:
-        engine.dispose()
+    stamp = int(time.time())
+    wanted = {f"make-run-{stamp}": Scope.admin}
+    if not no_engines:
+        wanted[f"make-run-sidecar-{stamp}"] = Scope.worker
+    keys = mint_keys(url, wanted, created_by="cli:make-run")
+    token = keys[f"make-run-{stamp}"]
+    worker_token = keys.get(f"make-run-sidecar-{stamp}")
 
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="control-plane", daemon=True)

@@ -2,7 +2,7 @@
 
 The batch-size rule (what ``RequestShape.batch_size`` is):
 
-    batch_size = max(in_flight, engines_running + 1)
+    batch_size = in_flight + max(0, engines_running - in_flight_at_scrape)
 
 * ``in_flight`` — requests admitted by this sidecar and not yet finished,
   counting the one being admitted (so a lone request has batch size 1). It is
@@ -11,15 +11,19 @@ The batch-size rule (what ``RequestShape.batch_size`` is):
 * ``engines_running`` — the sum of ``vllm:num_requests_running`` (over all its
   label sets) scraped from ``GET /metrics`` of each distinct engine URL of this
   worker, every ``engine_metrics_s`` seconds. The engines share the worker's
-  accelerator, so their running requests add up. ``+ 1`` is the request being
-  admitted, which no scrape can have seen yet. An engine whose last scrape
-  failed, or is older than ``max(3 * engine_metrics_s, 1 s)``, adds 0; with no
-  fresh scrape at all the rule is just ``in_flight``.
+  accelerator, so their running requests add up. An engine whose last scrape
+  failed, or is older than ``max(3 * engine_metrics_s, 1 s)``, adds 0.
+* ``in_flight_at_scrape`` — this sidecar's own in-flight count when the scrape
+  answered: the part of ``engines_running`` that is this sidecar's own traffic.
+  What is left is traffic that bypasses the sidecar, assumed steady until the
+  next scrape, and added to the exact in-flight count.
 
-Taking the maximum never double-counts the sidecar's own requests (they appear
-in both terms) and lets whichever view sees more load win: the in-flight count
-reacts at once to bursts, the scrape catches direct traffic. The scrape lags
-by up to one interval and can overstate load right after a burst ends.
+Why not ``max(in_flight, engines_running + 1)``, the first rule: a scrape is up
+to one interval old, and the requests it saw running are mostly this sidecar's
+own, finished since. At concurrency 1 nearly every scrape lands on the one
+request in flight, so each next request got batch size 2 (recorded with real
+vLLM engines: at loadgen concurrency c the telemetry's buckets sat one bucket
+above c), and a threshold learnt from such telemetry would be off by a bucket.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def parse_running(text: str) -> float | None:
 class EngineScraper:
     """Scrapes each engine's running-request count in the background."""
 
-    def __init__(self, engines: Mapping[str, str], interval_s: float, *, timeout_s: float | None = None) -> None:
+    def __init__(self, engines: Mapping[str, str], interval_s: float, *, timeout_s: float | None = None,
+                 inflight: InFlight | None = None) -> None:
         # several engine names may point at one server: scrape (and count) it once
         self.urls: dict[str, str] = {}
         for name, base in engines.items():
@@ -91,14 +96,17 @@ class EngineScraper:
         self.running: dict[str, tuple[float, float]] = {}
         self.scrapes = 0
         self.failures = 0
-        # the hot path reads only these two: the fresh total and until when it stays fresh
+        self.inflight = inflight
+        self.own_at_scrape = 0  # this sidecar's in-flight count when the last round of scrapes answered
+        # the hot path reads only these two: the fresh running total that is not this sidecar's own
+        # traffic, and until when it stays fresh
         self.total = 0
         self.fresh_until = 0.0
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     def engines_running(self, now: float | None = None) -> int:
-        """The fresh running total (0 when no scrape is fresh)."""
+        """The fresh running total less this sidecar's own requests at the scrape (0 when none is fresh)."""
         if (time.monotonic() if now is None else now) < self.fresh_until:
             return self.total
         return 0
@@ -106,14 +114,18 @@ class EngineScraper:
     def _recompute(self) -> None:
         now = time.monotonic()
         fresh = [(value, at) for value, at in self.running.values() if now - at < self.stale_after_s]
-        self.total = int(sum(value for value, _ in fresh))
+        self.total = max(0, int(sum(value for value, _ in fresh)) - self.own_at_scrape)
         self.fresh_until = min(at for _, at in fresh) + self.stale_after_s if fresh else 0.0
 
     async def scrape_once(self) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s), trust_env=False)
+        own_before = self.inflight.count if self.inflight is not None else 0
         await asyncio.gather(*(self._scrape(base, name) for base, name in self.urls.items()))
+        # The engines counted our requests at some moment between these two samples; the larger one
+        # errs towards counting less traffic from elsewhere, never towards our own finished requests.
+        self.own_at_scrape = max(own_before, self.inflight.count if self.inflight is not None else 0)
         self.scrapes += 1
         self._recompute()
 
@@ -166,9 +178,7 @@ class BatchEstimator:
         count = self.inflight.admit()
         scraper = self.scraper
         if scraper is not None and scraper.total and time.monotonic() < scraper.fresh_until:
-            running = scraper.total + 1
-            if running > count:
-                return running
+            return count + scraper.total
         return count
 
     def release(self) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Mapping
+from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 EVENT_SCHEMA_VERSION = 1
 MAX_LABELS_CHARS = 2048
+_set = object.__setattr__
 
 
 class TelemetryEvent(BaseModel):
@@ -47,8 +50,9 @@ class TelemetryEvent(BaseModel):
     prompt_tokens: int | None = Field(default=None, ge=0, description="as the engine counted them")
     completion_tokens: int | None = Field(default=None, ge=0)
     # timing as the sidecar saw it, milliseconds
-    ttft_ms: float | None = Field(default=None, ge=0)
-    itl_ms: float | None = Field(default=None, ge=0, description="mean inter-token latency")
+    ttft_ms: float | None = Field(default=None, ge=0, description="streams only: to the first content chunk")
+    itl_ms: float | None = Field(default=None, ge=0, description="mean inter-token latency: between the "
+                                 "relayed chunks of a stream; for a JSON answer the engine's own mean")
     e2e_ms: float = Field(ge=0)
     # outcome
     status: str = Field(pattern=r"^(ok|error|client_disconnect|upstream_error)$")
@@ -80,6 +84,21 @@ class TelemetryEvent(BaseModel):
             raise ValueError("labels must be a JSON object of strings")
         return value
 
+    @classmethod
+    def trusted(cls, **values: Any) -> TelemetryEvent:
+        """An event from values its builder vouches for, every field given in field order; nothing is checked.
+
+        What ``model_construct(_fields_set=<all fields>, **values)`` builds, without its per-field walk over
+        aliases and defaults, which costs ~13 us for this model, against ~3 us here: it runs once per request
+        on the sidecar's event loop. ``tests/sidecar/test_events.py`` checks the two agree.
+        """
+        event = cls.__new__(cls)
+        _set(event, "__dict__", values)
+        _set(event, "__pydantic_fields_set__", set(values))
+        _set(event, "__pydantic_extra__", None)
+        _set(event, "__pydantic_private__", None)
+        return event
+
 
 def encode_labels(labels: Mapping[str, str]) -> str:
     """The ``labels`` field of an event: keys sorted, compact, so equal label sets are equal strings.
@@ -103,3 +122,17 @@ class TelemetryBatch(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
     schema_version: int = EVENT_SCHEMA_VERSION
     events: list[TelemetryEvent] = Field(max_length=10_000)
+
+    def to_json(self) -> bytes:
+        """The bytes of ``model_dump_json()``, from orjson in a third of the time (~1 us an event).
+
+        The two agree on every value of a field's type (floats, datetimes with ``Z`` for UTC, strings), which
+        is what validated events and the proxy's events hold; where orjson refuses a value (an integer beyond
+        64 bits, a lone surrogate), pydantic dumps the batch.
+        """
+        try:
+            return orjson.dumps({"batch_id": self.batch_id, "worker_id": self.worker_id,
+                                 "schema_version": self.schema_version,
+                                 "events": [event.__dict__ for event in self.events]}, option=orjson.OPT_UTC_Z)
+        except TypeError:
+            return self.model_dump_json().encode()

@@ -339,6 +339,7 @@ class LoadPlan:
     api_key: str | None = None
     plain_engines: frozenset[str] = frozenset({"base"})
     route_in: str = "both"
+    temperature: float | None = None  # None: not sent, the server's default
 
     @property
     def path(self) -> str:
@@ -355,7 +356,7 @@ def build_plan(*, url: str = "http://127.0.0.1:9000", routes: str | Mapping[str,
                max_tokens: int = 64, endpoint: str = "chat", model: str | None = None, seed: int = 0,
                run_id: str | None = None, timeout_s: float = 120.0, labels: Iterable[str] = (),
                api_key: str | None = None, plain_engines: Iterable[str] = ("base",), route_in: str = "both",
-               prompts: PromptSource | None = None) -> LoadPlan:
+               prompts: PromptSource | None = None, temperature: float | None = None) -> LoadPlan:
     """Validate the options; every error is a :class:`LoadgenError` naming its option."""
     if not re.match(r"^https?://[^/\s]+", url or ""):
         raise LoadgenError("--url", f"must be an http(s) base URL like http://127.0.0.1:9000, got {url!r}")
@@ -381,6 +382,8 @@ def build_plan(*, url: str = "http://127.0.0.1:9000", routes: str | Mapping[str,
         raise LoadgenError("--route-in", f"must be one of {', '.join(ROUTE_CARRIERS)}, got {route_in!r}")
     if not timeout_s > 0:
         raise LoadgenError("--timeout", f"must be above zero, got {timeout_s}")
+    if temperature is not None and not 0.0 <= temperature <= 2.0:
+        raise LoadgenError("--temperature", f"must be from 0 to 2, got {temperature}")
     source = prompts if prompts is not None else SyntheticPrompts()
     mix = dict(DEFAULT_ROUTES) if routes is None else (
         parse_route_mix(routes) if isinstance(routes, str) else dict(routes))
@@ -392,7 +395,7 @@ def build_plan(*, url: str = "http://127.0.0.1:9000", routes: str | Mapping[str,
         stream_share=_share(stream_share, "--stream-share"), max_tokens=max_tokens, requests=requests,
         endpoint=endpoint, model=model or None, seed=seed, run_id=run_id or uuid.uuid4().hex[:8],
         timeout_s=float(timeout_s), labels=parse_labels(labels), api_key=api_key or None,
-        plain_engines=plain, route_in=route_in)
+        plain_engines=plain, route_in=route_in, temperature=temperature)
 
 
 def _check_routes(mix: Mapping[str, float], source: PromptSource) -> None:
@@ -439,6 +442,8 @@ def build_request(plan: LoadPlan, index: int) -> PlannedRequest:
     prompt = plan.prompts.prompt(route, rng)
     request_id = f"lg-{plan.run_id}-{index:07d}"
     body: dict[str, Any] = {"model": plan.model or "default", "max_tokens": plan.max_tokens}
+    if plan.temperature is not None:
+        body["temperature"] = plan.temperature
     if plan.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

@@ -35,6 +35,9 @@ def loadgen(
     stream_share: Annotated[float, typer.Option("--stream-share", help="share of streaming requests (with "
                                                 "include_usage), in [0, 1]")] = 0.0,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    temperature: Annotated[float | None, typer.Option("--temperature", help="sampling temperature sent with "
+                                                      "every request (default: none sent, the server's default; "
+                                                      "0 is greedy)")] = None,
     endpoint: Annotated[str, typer.Option("--endpoint", help="chat (/v1/chat/completions) or completions")] = "chat",
     model: Annotated[str | None, typer.Option("--model", help="model name (default: the first of /v1/models)")]
     = None,
@@ -85,7 +88,7 @@ def loadgen(
                           max_tokens=max_tokens, endpoint=endpoint, model=model, seed=seed, run_id=run_id,
                           timeout_s=timeout, labels=label or (), api_key=api_key,
                           plain_engines=plain_engine or ("base",), route_in=route_in,
-                          prompts=load_prompt_source(prompts, corpus_seed=corpus_seed))
+                          prompts=load_prompt_source(prompts, corpus_seed=corpus_seed), temperature=temperature)
     except LoadgenError as exc:
         _fail(str(exc))
 

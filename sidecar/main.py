@@ -95,9 +95,11 @@ def _uvicorn_config(app: Any, settings: SidecarSettings, log_level: str) -> Any:
 
     host, _, port = settings.listen.rpartition(":")
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    # proxy_headers off: its middleware wraps every request to rewrite the client address from X-Forwarded-*,
+    # which the sidecar never reads. The Date header stays (HTTP wants it; uvicorn formats it once a second).
     return uvicorn.Config(app, host=host.strip("[]"), port=int(port), http=http, loop="none", lifespan="on",
                           log_level=log_level, access_log=False, timeout_graceful_shutdown=30,
-                          server_header=False)
+                          server_header=False, proxy_headers=False)
 
 
 async def serve(settings: SidecarSettings, *, log_level: str = "info", app_factory: AppFactory | None = None) -> None:

@@ -23,7 +23,7 @@ import httpx
 
 from testbed import env
 from testbed.models import ModelPaths, Testbed, ensure
-from testbed.paths import REPO_ROOT, file_lock
+from testbed.paths import REPO_ROOT, cache_dir, file_lock
 
 VARIANTS = ("base", "ngram", "draft")
 MODEL_NAME = "specgate-tiny"
@@ -165,6 +165,12 @@ def _terminate(record: EngineRecord, grace_s: float = 20.0) -> None:
             child.wait(timeout=5)
 
 
+def _compile_cache(variant: str) -> dict[str, str]:
+    """vLLM's compile cache, one per variant: engines started together must not write one cache at once
+    (after such a start, one ``make run`` once got a draft engine with acceptance near 0)."""
+    return {"VLLM_CACHE_ROOT": str(cache_dir() / "vllm-compile" / variant)}
+
+
 def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT, *,
           state_dir: Path | None = None, timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None,
           testbed: Testbed | None = None, quiet: bool = True) -> dict[str, str]:
@@ -178,12 +184,14 @@ def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT
     state = StateFile(state_dir or state_dir_default())
     ports = ports_for(variants, base_port)
     started: list[tuple[EngineRecord, subprocess.Popen[bytes]]] = []
+    adopted: list[EngineRecord] = []  # alive already: maybe still starting, for another caller
     with file_lock(state.lock):
         records = {n: r for n, r in state.read().items() if is_alive(r)}
         for name, port in ports.items():
             if name in records:
                 if records[name].port != port:
                     raise RuntimeError(f"engine {name} already runs on port {records[name].port}, not {port}")
+                adopted.append(records[name])
                 continue
             log = state.directory / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +201,8 @@ def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT
                 proc = subprocess.Popen(  # noqa: S603
                     [str(testbed.python), *server_args(name, port, testbed.models)],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env.engine_env(dict(extra_env or {})), start_new_session=True, cwd=state.directory)
+                    env=env.engine_env({**_compile_cache(name), **(extra_env or {})}), start_new_session=True,
+                    cwd=state.directory)
             _CHILDREN[proc.pid] = proc
             ticks = process_start_ticks(proc.pid)
             record = EngineRecord(name=name, pid=proc.pid, start_ticks=ticks or -1, port=port,
@@ -203,14 +212,17 @@ def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT
         state.write(records)
     try:
         t0 = time.monotonic()
-        pending = {rec.name: (rec, proc) for rec, proc in started}
+        pending: dict[str, tuple[EngineRecord, subprocess.Popen[bytes] | None]] = {
+            **{rec.name: (rec, None) for rec in adopted}, **{rec.name: (rec, proc) for rec, proc in started}}
         while pending:
-            for name, (rec, proc) in list(pending.items()):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"engine {name} exited with {proc.returncode} while starting; "
+            for name, (rec, child) in list(pending.items()):
+                if child.poll() is not None if child is not None else not is_alive(rec):
+                    code = "" if child is None else f" with {child.returncode}"
+                    raise RuntimeError(f"engine {name} exited{code} while starting; "
                                        f"log {rec.log}:\n{_log_tail(rec.log)}")
                 if _healthy(rec.url):
-                    rec.ready_s = round(time.monotonic() - t0, 1)
+                    if child is not None:
+                        rec.ready_s = round(time.monotonic() - t0, 1)
                     del pending[name]
             if pending and time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"engines {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: "

@@ -6,7 +6,7 @@ bucket's lower bound:
 =========  ==============================
 stored     batch sizes it holds
 =========  ==============================
-1          0 and 1 (0 only if a sidecar reports it; ``max(in_flight, running + 1)`` is at least 1)
+1          0 and 1 (0 only if a sidecar reports it; its in-flight count includes the request itself)
 2          2
 3          3-4
 5          5-8

@@ -219,6 +219,8 @@ class FakeEngine:
 
     async def _echo(self, request: web.Request) -> web.Response:
         data = await request.read()
+        if request.path == "/moved":  # a redirect is the client's to follow, never the proxy's
+            return web.Response(status=307, headers={"Location": "/v1/models", "X-Fake-Engine": self.name})
         return web.json_response(
             {"engine": self.name, "method": request.method, "path": request.path, "query": request.query_string,
              "body": data.decode(), "x_custom": request.headers.get("X-Custom")},

@@ -1,4 +1,4 @@
-"""The batch-size rule: max(in flight, scraped vllm:num_requests_running + 1), fresh scrapes only."""
+"""The batch-size rule: in flight + what fresh scrapes of vllm:num_requests_running saw beyond our own requests."""
 
 from __future__ import annotations
 
@@ -36,21 +36,18 @@ def test_in_flight_counts_this_request_and_releases() -> None:
     assert estimator.inflight.count == 2
 
 
-def test_fresh_scrape_raises_the_batch_size_and_stale_one_does_not() -> None:
+def test_fresh_scrape_adds_traffic_that_bypasses_the_sidecar_and_stale_one_does_not() -> None:
     scraper = EngineScraper({"draft": "http://a", "base": "http://b/", "alias": "http://b"}, 0.5)
     assert set(scraper.urls) == {"http://a", "http://b"}  # two names for one server: scraped once
     estimator = BatchEstimator(InFlight(), scraper)
     now = time.monotonic()
-    scraper.running = {"draft": (2.0, now), "base": (4.0, now)}
+    scraper.running = {"draft": (2.0, now), "base": (4.0, now)}  # none of it ours (own_at_scrape 0)
     scraper._recompute()
     assert scraper.engines_running() == 6
-    assert estimator.admit() == 7  # 6 running + this one
-    estimator.release()
-    # in flight wins when it sees more
-    for _ in range(9):
-        estimator.admit()
-    assert estimator.admit() == 10
-    for _ in range(10):
+    assert estimator.admit() == 7  # 6 running elsewhere + this one
+    # our own requests add to what bypasses us
+    assert [estimator.admit() for _ in range(3)] == [8, 9, 10]
+    for _ in range(4):
         estimator.release()
     # one engine's scrape went stale: only the fresh one counts
     scraper.running = {"draft": (2.0, now - 10), "base": (4.0, now)}
@@ -60,6 +57,31 @@ def test_fresh_scrape_raises_the_batch_size_and_stale_one_does_not() -> None:
     scraper.running = {"draft": (2.0, now - 10)}
     scraper._recompute()
     assert estimator.admit() == 1
+
+
+def test_our_own_requests_in_a_scrape_are_not_counted_twice() -> None:
+    inflight = InFlight()
+    scraper = EngineScraper({"draft": "http://a", "base": "http://b"}, 0.5, inflight=inflight)
+    estimator = BatchEstimator(inflight, scraper)
+    now = time.monotonic()
+    # The scrape answered while 3 of our requests ran; the engines ran 5: 2 came from elsewhere.
+    scraper.running = {"draft": (3.0, now), "base": (2.0, now)}
+    scraper.own_at_scrape = 3
+    scraper._recompute()
+    assert scraper.engines_running() == 2
+    assert estimator.admit() == 3  # our 1 (the 3 have finished since) + the 2 from elsewhere
+    estimator.release()
+    # All the engines ran was ours, and it has finished: a lone request is a batch of one, not of
+    # (what the stale scrape saw) + 1.
+    scraper.own_at_scrape = 5
+    scraper._recompute()
+    assert scraper.engines_running() == 0
+    assert estimator.admit() == 1
+    estimator.release()
+    # a scrape that saw fewer than our own (requests between sidecar and engine) never goes negative
+    scraper.own_at_scrape = 9
+    scraper._recompute()
+    assert scraper.engines_running() == 0
 
 
 def test_scraper_reads_engines_and_drops_failing_ones(loop_thread: LoopThread, draft: FakeEngine,
@@ -101,3 +123,21 @@ def test_busy_engines_send_a_lone_chat_request_to_base(make_sidecar: SidecarFact
     response = httpx.post(sidecar.url + "/v1/chat/completions", headers={"X-Specgate-Route": "chat"},
                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert response.headers["x-specgate-decision"].startswith("engine=draft;")
+
+
+def test_one_request_at_a_time_is_a_batch_of_one_while_scrapes_see_our_own(make_sidecar: SidecarFactory,
+                                                                            draft: FakeEngine) -> None:
+    # Scrapes every 100 ms land while our own request runs (300 ms before its first byte), so the last
+    # scrape before the next admission nearly always saw a request of ours that has finished since. The
+    # first rule, max(in_flight, running + 1), made such a next request a batch of 2.
+    draft.first_byte_delay = 0.3
+    sidecar = make_sidecar(engine_metrics_s=0.1)
+    with httpx.Client(timeout=10) as client:  # keep-alive: the next request follows at once
+        for _ in range(6):
+            response = client.post(sidecar.url + "/v1/chat/completions", headers={"X-Specgate-Route": "chat"},
+                                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            assert response.status_code == 200
+    assert draft.metrics_scrapes >= 6
+    events = sidecar.exporter.wait(6)
+    assert [e.batch_size for e in events] == [1] * 6
+    assert {e.engine for e in events} == {"draft"}

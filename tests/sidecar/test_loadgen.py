@@ -118,6 +118,8 @@ def test_shares_outside_0_1_are_refused(option: str, value: float) -> None:
     ({"endpoint": "embeddings"}, "--endpoint: must be one of chat, completions"),
     ({"route_in": "cookie"}, "--route-in: must be one of both, header, metadata"),
     ({"timeout_s": 0}, "--timeout: must be above zero"),
+    ({"temperature": -0.1}, "--temperature: must be from 0 to 2"),
+    ({"temperature": float("nan")}, "--temperature: must be from 0 to 2"),
     ({"url": "127.0.0.1:9000"}, "--url: must be an http(s) base URL"),
     ({"labels": ["tenant"]}, "--label: must be k=v"),
     ({"duration": "forever"}, "--duration: 'forever' is not a duration"),
@@ -194,6 +196,13 @@ def test_request_body_and_headers() -> None:
     assert request.headers["X-Specgate-Route"] == "extract"
     assert request.headers["X-Specgate-Labels"] == "tenant=a"
     assert request.headers["Authorization"] == "Bearer secret-token"
+    assert "temperature" not in body  # the server's default unless asked
+
+
+def test_temperature_is_sent_when_given() -> None:
+    # vLLM's CPU build accepts no draft token when it samples: the testbed's traffic asks for greedy
+    assert build_request(_plan(temperature=0.0), 0).body["temperature"] == 0.0
+    assert build_request(_plan(temperature=0.7), 3).body["temperature"] == 0.7
 
 
 def test_route_carrier_and_completions_endpoint() -> None:

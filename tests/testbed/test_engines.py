@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from testbed import engines
-from testbed.models import ModelPaths
+from testbed.models import ModelPaths, Testbed
 
 MODELS = ModelPaths(root=Path("/m"), target=Path("/m/target"), draft=Path("/m/draft"))
 
@@ -107,3 +108,54 @@ def test_status_reports_dead_engines(tmp_path: Path) -> None:
     status = engines.status(state_dir=tmp_path)
     assert status["draft"]["alive"] is False
     assert status["draft"]["healthy"] is False
+
+
+# An engine another caller started and that is still loading: /health answers only after a delay.
+_SLOW_HEALTH = """
+import http.server, sys, time
+time.sleep(float(sys.argv[2]))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def _adopt(tmp_path: Path, delay_s: float) -> tuple[subprocess.Popen[bytes], int]:
+    from tests.controlplane.live import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_HEALTH, str(port), str(delay_s)], start_new_session=True)
+    ticks = engines.process_start_ticks(proc.pid)
+    assert ticks is not None
+    record = engines.EngineRecord(name="base", pid=proc.pid, start_ticks=ticks, port=port,
+                                  url=f"http://127.0.0.1:{port}", log=str(tmp_path / "base.log"), started_at=0.0)
+    engines.StateFile(tmp_path).write({"base": record})
+    return proc, port
+
+
+def test_start_waits_for_an_engine_another_caller_is_still_starting(tmp_path: Path) -> None:
+    proc, port = _adopt(tmp_path, delay_s=1.5)
+    testbed = Testbed(python=Path(sys.executable), models=MODELS)
+    try:
+        t0 = time.monotonic()
+        urls = engines.start(["base"], port, state_dir=tmp_path, testbed=testbed, timeout_s=30)
+        assert urls == {"base": f"http://127.0.0.1:{port}"}
+        assert time.monotonic() - t0 >= 1.0  # it waited for /health rather than answering at once
+        assert engines.status(state_dir=tmp_path)["base"]["healthy"] is True
+        assert proc.poll() is None  # adopted, never restarted or stopped
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_start_reports_an_adopted_engine_that_dies_while_starting(tmp_path: Path) -> None:
+    proc, port = _adopt(tmp_path, delay_s=60)
+    testbed = Testbed(python=Path(sys.executable), models=MODELS)
+    threading.Timer(0.5, lambda: os.killpg(proc.pid, signal.SIGKILL)).start()
+    with pytest.raises(RuntimeError, match="engine base exited while starting"):
+        engines.start(["base"], port, state_dir=tmp_path, testbed=testbed, timeout_s=30)
+    proc.wait()
