@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -10,6 +11,16 @@ from contextlib import contextmanager
 
 import uvicorn
 from fastapi import FastAPI
+
+
+def ctrl_c_as_at_a_terminal() -> None:
+    """``preexec_fn`` for a child that a test stops with SIGINT, as a person at a terminal would.
+
+    A process started in the background by a non-interactive shell inherits SIGINT ignored, and Python then
+    installs no KeyboardInterrupt handler; a suite run that way would see Ctrl-C tests hang. Here the child
+    gets the default disposition whatever pytest inherited.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def free_port() -> int:

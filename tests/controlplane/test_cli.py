@@ -35,7 +35,7 @@ from controlplane.settings import ControlPlaneSettings
 from tests.controlplane.conftest import bearer
 from tests.controlplane.factories import seed_policy, seed_text
 from tests.controlplane.fleet_rows import session_for
-from tests.controlplane.live import free_port, serve
+from tests.controlplane.live import ctrl_c_as_at_a_terminal, free_port, serve
 from tests.policy_texts import INVALID_POLICY as INVALID
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -366,7 +366,8 @@ def test_up_serves_the_examples_with_a_working_admin_key_and_stops_on_sigint(tmp
     env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen([*_specgate(), "up", "--no-engines", "--data-dir", str(tmp_path / "data"),
                              "--port", str(port)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_as_at_a_terminal)
     assert proc.stdout is not None
     assert proc.stderr is not None
     errors = proc.stderr

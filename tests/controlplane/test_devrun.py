@@ -24,7 +24,7 @@ from controlplane import devstack
 from policies import load_policy
 from testbed import engines as testbed_engines
 from testbed.engines import process_start_ticks
-from tests.controlplane.live import free_port
+from tests.controlplane.live import ctrl_c_as_at_a_terminal, free_port
 from tests.controlplane.test_cli import _lines, _specgate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def _start_up(tmp_path: Path, starter: str, *extra: str) -> tuple[subprocess.Pop
            "--engine-port", str(ports["engine"]), "--sidecar-port", str(ports["sidecar"]),
            "--engine-starter", starter, *extra]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=ctrl_c_as_at_a_terminal)
     return proc, ports
 
 
@@ -230,13 +230,13 @@ def test_up_registers_a_sidecar_turns_traffic_into_telemetry_and_sigint_stops_ev
                                and g["acceptance_rate"] is not None]
                 plain = [g for g in groups if g["key"]["engine"] == "base" and g["counters"]["requests"]]
                 explored = [g for g in groups if g["key"]["explored"]]
-                if speculative and plain and explored:
+                # the traffic's route mix is random: the first requests need not cover every route yet
+                routes = api.get("/v1/analysis/summary", params={"group_by": "route"}).json()["rows"]
+                if speculative and plain and explored and {"extract", "chat"} <= {r["key"]["route"] for r in routes}:
                     break
-                assert time.monotonic() < deadline, json.dumps(groups, indent=1)
+                assert time.monotonic() < deadline, json.dumps({"groups": groups, "routes": routes}, indent=1)
                 time.sleep(1)
             assert all(g["key"] for g in groups)
-            routes = api.get("/v1/analysis/summary", params={"group_by": "route"}).json()["rows"]
-            assert {"extract", "chat"} <= {row["key"]["route"] for row in routes}, routes
 
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.controlplane.live import free_port
+from tests.controlplane.live import ctrl_c_as_at_a_terminal, free_port
 from tests.controlplane.test_cli import _lines, _specgate
 
 
@@ -23,7 +23,8 @@ def test_up_starts_the_dashboard_and_stops_it(tmp_path: Path) -> None:
     env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen([*_specgate(), "up", "--no-engines", "--data-dir", str(tmp_path / "data"),
                              "--port", str(port), "--dashboard-port", str(dashboard_port)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=ctrl_c_as_at_a_terminal)
     assert proc.stdout is not None
     try:
         out = _lines(proc.stdout)
