@@ -166,8 +166,8 @@ def _terminate(record: EngineRecord, grace_s: float = 20.0) -> None:
 
 
 def _compile_cache(variant: str) -> dict[str, str]:
-    """vLLM's compile cache, one per variant: engines started together must not write one cache at once
-    (after such a start, one ``make run`` once got a draft engine with acceptance near 0)."""
+    """vLLM's compile cache, one per variant: engines started together never write one cache at once, and
+    each variant's compiled graphs stay its own between runs."""
     return {"VLLM_CACHE_ROOT": str(cache_dir() / "vllm-compile" / variant)}
 
 
