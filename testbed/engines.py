@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +171,25 @@ def _compile_cache(variant: str) -> dict[str, str]:
     return {"VLLM_CACHE_ROOT": str(cache_dir() / "vllm-compile" / variant)}
 
 
+def cpu_binding(variant: str, cpus: Sequence[int] | None = None) -> dict[str, str]:
+    """The cores vLLM binds a variant's model worker to: the plain engine on the first half of this process's
+    CPUs, the speculative ones on the second half.
+
+    Left to itself every vLLM CPU engine binds its worker to the same first core (``core ids=[0]``), so two
+    engines serving one worker's traffic take turns on one core while another idles, and each one's latency
+    depends on how busy the other is: a speculative and a plain cohort measured side by side are then not
+    comparable. ``VLLM_CPU_OMP_THREADS_BIND`` in the environment still wins; one CPU means no binding.
+    """
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    allowed = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        return {}
+    half = len(allowed) // 2
+    chosen = allowed[:half] if variant == "base" else allowed[half:]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in chosen)}
+
+
 def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT, *,
           state_dir: Path | None = None, timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None,
           testbed: Testbed | None = None, quiet: bool = True) -> dict[str, str]:
@@ -201,7 +220,8 @@ def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT
                 proc = subprocess.Popen(  # noqa: S603
                     [str(testbed.python), *server_args(name, port, testbed.models)],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env.engine_env({**_compile_cache(name), **(extra_env or {})}), start_new_session=True,
+                    env=env.engine_env({**_compile_cache(name), **cpu_binding(name), **(extra_env or {})}),
+                    start_new_session=True,
                     cwd=state.directory)
             _CHILDREN[proc.pid] = proc
             ticks = process_start_ticks(proc.pid)

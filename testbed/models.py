@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -26,6 +27,22 @@ class ModelPaths:
     def report(self) -> dict[str, Any]:
         data = read_stamp(self.root / "report.json")
         return data or {}
+
+    def fingerprint(self) -> dict[str, str]:
+        """sha256 (first 16 hex digits) of each model's weights: which models a measurement was made with.
+
+        The recipe does not pin the weights across machines: the same recipe trained on another CPU (other
+        vector kernels, other rounding) learns other models, with other acceptance per route, so a recorded
+        sweep only describes the models whose fingerprint it carries.
+        """
+        out = {}
+        for name, directory in (("target", self.target), ("draft", self.draft)):
+            digest = hashlib.sha256()
+            with (directory / "model.safetensors").open("rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+            out[name] = digest.hexdigest()[:16]
+        return out
 
 
 def models_dir(recipe: dict[str, Any] | None = None) -> Path:

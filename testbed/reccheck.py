@@ -56,8 +56,13 @@ REPORT_FILE = RESULTS / "recommend-check.md"
 
 # Every route speculates at every batch size, each with the method whose crossover the check looks for,
 # and half of the requests run on the plain engine: per bucket, a speculative and a plain cohort of about
-# the same size. No acceptance guardrail: an admin's acceptance floor would exclude the creative route
-# whatever its speed, and the check is about speed.
+# the same size. No acceptance guardrail: an admin's acceptance floor would exclude a route whatever its
+# speed, and the check is about speed. The methods are chosen from the sweep of the recorded models
+# (fingerprint in both recordings) so that the check meets every shape: a crossover at low load
+# (extract, draft model: pays at 1-2, loses from 4), one at high load (chat, n-gram: pays to 8, loses
+# at 16) and two routes where it never pays (classify and creative, draft model). Where a method paid at
+# every load (n-gram on extract and creative, the draft model on chat) a recommender that changes nothing
+# would agree without being tested.
 CHECK_POLICY = """\
 apiVersion: specgate/v1
 name: recommend-check
@@ -76,14 +81,11 @@ engines:
     model: testbed/draft
     num_speculative_tokens: 3
 rules:
-  - name: extract-ngram
-    when: {route: [extract]}
+  - name: chat-ngram
+    when: {route: [chat]}
     then: {engine: ngram}
-  - name: creative-ngram
-    when: {route: [creative]}
-    then: {engine: ngram}
-  - name: text-draft
-    when: {route: [chat, classify]}
+  - name: others-draft
+    when: {route: [extract, classify, creative]}
     then: {engine: draft}
 default: {engine: base}
 exploration:
@@ -266,10 +268,30 @@ class CheckResult:
         return all(v.agrees for v in self.verdicts)
 
 
+def same_models(sweep: Mapping[str, Any], cells_export: Mapping[str, Any]) -> None:
+    """Refuse to judge telemetry of one model pair against a sweep of another.
+
+    Both recordings carry the fingerprint of the weights they were made with. The recipe alone does not
+    fix the weights: trained on another CPU the same recipe gives other models (a pair trained on an AMD
+    machine and one trained on an Intel machine differed in n-gram acceptance on ``creative``, 0.25 and
+    0.80), so the crossovers of one say nothing about the other.
+    """
+    sweep_models, cells_models = sweep.get("models"), cells_export.get("models")
+    if sweep_models is None or cells_models is None:
+        missing = "the sweep" if sweep_models is None else "the telemetry"
+        raise ValueError(f"{missing} does not say which models it was measured with ('models' fingerprint); "
+                         "record it again")
+    if sweep_models != cells_models:
+        raise ValueError(f"the sweep was measured with models {sweep_models}, the telemetry with {cells_models}: "
+                         "run the sweep on this machine's models first (specgate testbed sweep --no-offline "
+                         "--per-cell 100 --out bench/results-testbed/crossover)")
+
+
 def run_check(sweep: Mapping[str, Any], cells_export: Mapping[str, Any],
               config: RecommendConfig | None = None) -> CheckResult:
     """The recommender on recorded cells for :data:`CHECK_POLICY`, against the sweep's ground truth."""
     config = config or RecommendConfig()
+    same_models(sweep, cells_export)
     document = check_policy()
     cells = [Cell.from_dict(item) for item in cells_export["cells"]]
     recs = recommend(document, revision_id(load_policy(CHECK_POLICY)), cells, config)
@@ -284,7 +306,8 @@ def report(result: CheckResult, *, sweep_path: Path, cells_path: Path, meta: Map
              f"Ground truth: `{_rel(sweep_path)}` (HTTP sweep, each variant alone). Evidence: `{_rel(cells_path)}` "
              f"(telemetry through the sidecar; recorded {meta.get('recorded_at', '?')}, "
              f"{meta.get('requests', '?')} requests, one route at a time, schedule "
-             f"`{meta.get('schedule', '?')}` each). "
+             f"`{meta.get('schedule', '?')}` each). Models (sha256 of the weights): "
+             f"{', '.join(f'{k} `{v}`' for k, v in (meta.get('models') or {}).items()) or '?'}. "
              f"Recommender: confidence {result.config.confidence}, min_samples {result.config.min_samples} "
              "per cohort.", "",
              "| route | sweep | expected | recommended | agrees |", "|---|---|---|---|---|"]
@@ -336,6 +359,7 @@ def record_live(out: Path, *, say: Callable[[str], None], schedule: str = LIVE_S
     from controlplane.migrations_state import upgrade
     from controlplane.settings import ControlPlaneSettings
     from testbed import engines
+    from testbed.models import ensure_models
     from testbed.recipe import RECIPE
 
     work = Path(tempfile.mkdtemp(prefix="specgate-recommend-check-"))
@@ -397,6 +421,7 @@ def record_live(out: Path, *, say: Callable[[str], None], schedule: str = LIVE_S
         machine = {"cpus": os.cpu_count(), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                    "python": sys.version.split()[0]}
         data = {"recorded_at": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "schedule": schedule,
+                "models": ensure_models(quiet=True).fingerprint(),
                 "routes": list(LIVE_ROUTES), "max_tokens": max_tokens,
                 "requests": sum(t["overall"]["requests"] for t in traffic.values()),
                 "errors": sum(t["overall"]["errors"] for t in traffic.values()), "machine": machine,

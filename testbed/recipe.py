@@ -22,7 +22,8 @@ RECIPE: dict[str, Any] = {
     # Copying (an induction head) appears only after ~600 steps and needs well over 1000 to be reliable.
     "steps": 1800,
     "warmup_steps": 30,
-    # One thread: the same bits on any machine, and no OpenMP barrier stalls when neighbours share the cores.
+    # One thread per model (the two train side by side in two processes): the same bits whether they run
+    # together or in turns, and no OpenMP barrier stalls when neighbours share the cores.
     "threads": 1,
     "target": {"hidden": 96, "layers": 4, "heads": 3, "intermediate": 256, "lr": 3e-3},
     # head_dim 32 is the smallest vLLM's CPU attention accepts.

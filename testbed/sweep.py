@@ -139,7 +139,7 @@ def run(out_dir: Path, *, variants: Sequence[str] = engines.VARIANTS, routes: Se
     testbed = ensure()
     result: dict[str, Any] = {
         "machine": {"cpus": _cpus(), "python": platform.python_version(), "platform": platform.platform()},
-        "recipe": RECIPE, "training": testbed.models.report, "settings": {
+        "recipe": RECIPE, "models": testbed.models.fingerprint(), "training": testbed.models.report, "settings": {
             "concurrency": list(concurrencies), "batches": list(batches), "per_cell": per_cell,
             "max_tokens": max_tokens, "ngram_k": engines.NGRAM_K, "draft_k": engines.DRAFT_K, "seed": seed,
             "offline_reps": reps},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import random
 import sys
 import time
@@ -99,6 +100,51 @@ def lr_at(step: int, steps: int, warmup: int, peak: float) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_model(name: str, state: dict[str, Any], config: Any, inputs_all: Any, labels_all: Any,
+                recipe: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
+    """Train one model from the given initial weights in this (spawned) process; its final weights and losses."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(recipe["threads"])
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(state)
+    losses = _train_in_place(name, model, inputs_all, labels_all, recipe, time.monotonic())
+    return model.state_dict(), losses
+
+
+def _train_in_place(name: str, model: Any, inputs_all: Any, labels_all: Any, recipe: dict[str, Any],
+                    t_start: float) -> list[float]:
+    """AdamW with warm-up and cosine decay on batches drawn by the recipe's seed: both models see the same."""
+    import torch
+
+    optim = torch.optim.AdamW(model.parameters(), lr=recipe[name]["lr"], betas=(0.9, 0.98), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(recipe["seed"])
+    steps, bs = recipe["steps"], recipe["batch_size"]
+    losses: list[float] = []
+    order = torch.randperm(len(inputs_all), generator=gen)
+    cursor = 0
+    model.train()
+    for step in range(steps):
+        if cursor + bs > len(order):
+            order = torch.randperm(len(inputs_all), generator=gen)
+            cursor = 0
+        idx = order[cursor:cursor + bs]
+        cursor += bs
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, steps, recipe["warmup_steps"], recipe[name]["lr"])
+        loss = model(input_ids=inputs_all[idx], labels=labels_all[idx]).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        losses.append(float(loss.detach()))
+        if step % 100 == 0 or step == steps - 1:
+            print(f"{name} step {step:4d}  loss {losses[-1]:.3f}  {time.monotonic() - t_start:.0f}s",
+                  file=sys.stderr, flush=True)
+    return losses
 
 
 def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -203,33 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = len(tok)
 
     models = {name: build_model(recipe[name], vocab, tok) for name in ("target", "draft")}
-    optims = {name: torch.optim.AdamW(m.parameters(), lr=recipe[name]["lr"], betas=(0.9, 0.98), weight_decay=0.01)
-              for name, m in models.items()}
-    gen = torch.Generator().manual_seed(recipe["seed"])
-    steps, bs = recipe["steps"], recipe["batch_size"]
-    losses: dict[str, list[float]] = {name: [] for name in models}
-    order = torch.randperm(len(rows), generator=gen)
-    cursor = 0
-    for step in range(steps):
-        if cursor + bs > len(order):
-            order = torch.randperm(len(rows), generator=gen)
-            cursor = 0
-        idx = order[cursor:cursor + bs]
-        cursor += bs
-        x, y = inputs_all[idx], labels_all[idx]
-        for name, model in models.items():
-            model.train()
-            for group in optims[name].param_groups:
-                group["lr"] = lr_at(step, steps, recipe["warmup_steps"], recipe[name]["lr"])
-            loss = model(input_ids=x, labels=y).loss
-            optims[name].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optims[name].step()
-            losses[name].append(float(loss.detach()))
-        if step % 25 == 0 or step == steps - 1:
-            print(f"step {step:4d}  target {losses['target'][-1]:.3f}  draft {losses['draft'][-1]:.3f}  "
-                  f"{time.monotonic() - t_start:.0f}s", file=sys.stderr, flush=True)
+    # The models never interact while training, so each gets a core: the draft in a spawned process, the
+    # target here. Each side runs exactly the single-threaded steps it ran when they took turns, so the
+    # weights are the same bits, in about the target's time alone.
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Pool(1) as pool:
+        draft_job = pool.apply_async(train_model, ("draft", models["draft"].state_dict(), models["draft"].config,
+                                                   inputs_all, labels_all, recipe))
+        losses = {"target": _train_in_place("target", models["target"], inputs_all, labels_all, recipe, t_start)}
+        draft_state, losses["draft"] = draft_job.get()
+    models["draft"].load_state_dict(draft_state)
     t_train = time.monotonic()
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -159,3 +159,19 @@ def test_start_reports_an_adopted_engine_that_dies_while_starting(tmp_path: Path
     with pytest.raises(RuntimeError, match="engine base exited while starting"):
         engines.start(["base"], port, state_dir=tmp_path, testbed=testbed, timeout_s=30)
     proc.wait()
+
+
+def test_plain_and_speculative_engines_are_bound_to_different_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert engines.cpu_binding("base", [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert engines.cpu_binding("ngram", [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert engines.cpu_binding("draft", [1, 0]) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert engines.cpu_binding("base", [4, 5, 6, 7, 8]) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    assert engines.cpu_binding("draft", [4, 5, 6, 7, 8]) == {"VLLM_CPU_OMP_THREADS_BIND": "6,7,8"}
+    # One CPU: nothing to spread over; vLLM's own default applies.
+    assert engines.cpu_binding("draft", [3]) == {}
+
+
+def test_an_explicit_binding_in_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert engines.cpu_binding("draft", [0, 1]) == {}

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from controlplane.analysis.recommend import Recommendation
+from controlplane.analysis.recommend import Recommendation, cell_report
 from controlplane.cli import app
 from testbed import reccheck
 
@@ -56,58 +57,51 @@ def test_the_recommender_on_recorded_telemetry_against_the_sweep(sweep: dict[str
     verdicts = {v.route: v for v in result.verdicts}
     assert sorted(verdicts) == ["chat", "classify", "creative", "extract"]
     truth = reccheck.ground_truth(sweep, reccheck.route_engines(reccheck.check_policy()))
-    # Where the sweep never saw speculation pay, the telemetry made the recommender exclude the route.
-    never = {route for route, t in truth.items() if t.expect == "exclude"}
-    assert never == {"classify", "creative"}
-    for route in never:
-        assert verdicts[route].agrees, verdicts[route]
-        assert verdicts[route].got == "exclude the route"
-    # chat: the draft model paid at every load in the sweep; the telemetry keeps speculation on.
-    assert verdicts["chat"].agrees, verdicts["chat"]
-    # extract: NOT what the sweep measured. The sweep crosses over between concurrency 4 and 8 (n-gram
-    # alone at 16: 0.40x); the recorded telemetry has n-gram losing at buckets 2 and 3-4 and winning at
-    # 9-16 with confidence (2.8x), so the recommender changes nothing. The recording runs three engines
-    # on two cores (their workers bound to one), which the sweep, one engine at a time, does not; see
-    # BENCHMARKS.md. This pins the recorded outcome; the goal (every route agrees) is not met yet.
-    assert not verdicts["extract"].agrees
-    assert verdicts["extract"].got.startswith("no threshold change")
+    assert {route for route, t in truth.items() if t.expect == "exclude"} == {"classify", "creative"}
+    # The recorded outcome, NOT the goal: no route agrees. In the live recording (three engines, sidecar,
+    # control plane and load generator on two cores) the speculative cohort is faster with confidence at
+    # batch sizes 5-16 on every route, 2-7x, where the sweep (each engine alone) measured it 0.45-0.94x on
+    # extract, chat and creative; so the recommender keeps speculation everywhere. The recommender itself
+    # finds every crossover when the evidence has the sweep's shape (the test below); the recording does
+    # not have it. See BENCHMARKS.md, "The recommender against the sweep".
+    assert not any(v.agrees for v in verdicts.values())
+    assert all(v.got.startswith("no threshold change") for v in verdicts.values())
     assert not result.passed
-    # Each recommendation carries its evidence: the bucket rows with sample sizes behind the verdicts.
-    excludes = [rec for rec in result.recommendations if rec.kind == "exclude_route"]
-    assert sorted(rec.route for rec in excludes) == ["classify", "creative"]
-    for rec in excludes:
-        rows = rec.evidence["buckets"]
-        assert rows
-        assert all(row["n_plain"] > 0 and row["n_speculative"] > 0 for row in rows)
-        assert any(row["verdict"] == "loses" for row in rows)
+    reports = {(c.route, c.batch_bucket): cell_report(c, result.config) for c in result.cells}
+    for route in ("extract", "chat", "creative"):
+        top = reports[(route, 9)]
+        assert top["verdict"] == "wins", (route, top)
+        assert top["itl_speedup"]["low"] > 1.5, (route, top)
+    # Every recommendation carries its evidence.
+    assert result.recommendations
+    assert all(rec.evidence for rec in result.recommendations)
 
 
 def test_the_check_fails_when_the_evidence_is_reversed(sweep: dict[str, Any], cells: dict[str, Any]) -> None:
-    # The same telemetry with the cohorts' labels swapped says the opposite about every bucket: the
-    # comparison must notice.
-    swapped = copy.deepcopy(cells)
-    for cell in swapped["cells"]:
+    # Evidence with the sweep's shape passes (below); the same evidence with the cohorts' labels swapped
+    # says the opposite about every bucket, and the comparison must notice.
+    evidence = _evidence_as_the_sweep_measured(sweep, cells)
+    assert reccheck.run_check(sweep, evidence).passed
+    for cell in evidence["cells"]:
         cell["speculative"], cell["plain"] = cell["plain"], cell["speculative"]
-    assert not reccheck.run_check(sweep, swapped).passed
+    result = reccheck.run_check(sweep, evidence)
+    assert not any(v.agrees for v in result.verdicts), result.verdicts
 
 
-def test_the_command_on_recorded_data(tmp_path: Path, cells: dict[str, Any]) -> None:
+def test_the_command_on_recorded_data(tmp_path: Path, sweep: dict[str, Any], cells: dict[str, Any]) -> None:
     out = tmp_path / "report.md"
     result = runner.invoke(app, ["testbed", "recommend-check", "--report", str(out)])
-    assert result.exit_code == 1, result.output  # extract disagrees (see above)
+    assert result.exit_code == 1, result.output  # no route agrees on the recording (see above)
     text = out.read_text()
-    assert "Result: FAIL (3 of 4 routes agree)" in text
+    assert "Result: FAIL (0 of 4 routes agree)" in text
     assert "| classify |" in text
-    assert "exclude the route" in text
+    assert "`bb5fc9d2428dd15d`" in text  # the models the two recordings share
 
-    swapped = copy.deepcopy(cells)
-    for cell in swapped["cells"]:
-        cell["speculative"], cell["plain"] = cell["plain"], cell["speculative"]
-    bad = tmp_path / "swapped.json"
-    bad.write_text(json.dumps(swapped))
-    failed = runner.invoke(app, ["testbed", "recommend-check", "--cells", str(bad)])
-    assert failed.exit_code == 1
-    assert "Result: FAIL (0 of 4 routes agree)" in failed.output
+    good = tmp_path / "as-the-sweep.json"
+    good.write_text(json.dumps(_evidence_as_the_sweep_measured(sweep, cells)))
+    passed = runner.invoke(app, ["testbed", "recommend-check", "--cells", str(good)])
+    assert passed.exit_code == 0, passed.output
+    assert "Result: PASS (4 of 4 routes agree)" in passed.output
 
 
 def test_the_command_names_an_unreadable_input(tmp_path: Path) -> None:
@@ -177,3 +171,70 @@ def test_compare_against_never_pays_and_pays_everywhere() -> None:
     assert not reccheck.compare(never, unchanged)[0].agrees
     assert reccheck.compare(always, unchanged)[0].agrees
     assert not reccheck.compare(always, excluded)[0].agrees
+
+
+def test_telemetry_of_other_models_than_the_sweeps_is_refused(tmp_path: Path, sweep: dict[str, Any],
+                                                              cells: dict[str, Any]) -> None:
+    # Both recordings name the weights they were made with, and they are the same pair.
+    assert sweep["models"] == cells["models"]
+    assert set(sweep["models"]) == {"target", "draft"}
+    other = copy.deepcopy(cells)
+    other["models"] = {**cells["models"], "target": "0" * 16}
+    with pytest.raises(ValueError, match="the sweep was measured with models"):
+        reccheck.run_check(sweep, other)
+    unnamed = copy.deepcopy(cells)
+    del unnamed["models"]
+    with pytest.raises(ValueError, match="the telemetry does not say which models"):
+        reccheck.run_check(sweep, unnamed)
+
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(other))
+    result = runner.invoke(app, ["testbed", "recommend-check", "--cells", str(path)])
+    assert result.exit_code == 2
+    assert "specgate testbed sweep" in result.output
+
+
+def _evidence_as_the_sweep_measured(sweep: dict[str, Any], cells: dict[str, Any], n: int = 1000,
+                                    sigma: float = 0.3) -> dict[str, Any]:
+    """The recorded cells with their ITL replaced by what the sweep says: per bucket, plain ITL drawn around
+    the base engine's mean and speculative ITL around the speculative engine's (lognormal, seeded)."""
+    import random
+
+    from controlplane.telemetry.histogram import bucket_index
+
+    itl = {(r["variant"], r["route"], r["concurrency"]): r["mean_itl_ms"] for r in sweep["http"]}
+    engines = reccheck.route_engines(reccheck.check_policy())
+    rng = random.Random(7)
+
+    def cohort(template: dict[str, Any], mean_ms: float) -> dict[str, Any]:
+        values = [rng.lognormvariate(math.log(mean_ms), sigma) for _ in range(n)]
+        hist: dict[str, int] = {}
+        for value in values:
+            key = str(bucket_index(value))
+            hist[key] = hist.get(key, 0) + 1
+        return {**template, "itl": hist, "itl_ms_sum": sum(values), "itl_count": n}
+
+    out = copy.deepcopy(cells)
+    load_of_bucket = {reccheck.batch_bucket(c): c for c in (1, 2, 4, 8, 16)}
+    for cell in out["cells"]:
+        c = load_of_bucket[cell["batch_bucket"]]
+        route = cell["route"]
+        cell["plain"] = cohort(cell["plain"], itl[("base", route, c)])
+        cell["speculative"] = cohort(cell["speculative"], itl[(engines[route], route, c)])
+        cell["engines"] = {}
+    return out
+
+
+def test_evidence_that_matches_the_sweep_makes_every_route_agree(sweep: dict[str, Any],
+                                                                 cells: dict[str, Any]) -> None:
+    # The recommender itself, apart from how the live recording measures: given per-bucket evidence with
+    # the sweep's own speedups (1000 requests a cohort), it ends extract's threshold within a bucket of the
+    # crossover between loads 2 and 4, chat's within a bucket of the one between 8 and 16, and excludes
+    # classify and creative, where the draft model never paid.
+    result = reccheck.run_check(sweep, _evidence_as_the_sweep_measured(sweep, cells))
+    verdicts = {v.route: v for v in result.verdicts}
+    assert all(v.agrees for v in verdicts.values()), verdicts
+    assert result.passed
+    assert verdicts["classify"].got == verdicts["creative"].got == "exclude the route"
+    assert verdicts["extract"].got.startswith("batch_max")
+    assert verdicts["chat"].got.startswith("batch_max")
