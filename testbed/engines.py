@@ -176,9 +176,10 @@ def cpu_binding(variant: str, cpus: Sequence[int] | None = None) -> dict[str, st
     CPUs, the speculative ones on the second half.
 
     Left to itself every vLLM CPU engine binds its worker to the same first core (``core ids=[0]``), so two
-    engines serving one worker's traffic take turns on one core while another idles, and each one's latency
-    depends on how busy the other is: a speculative and a plain cohort measured side by side are then not
-    comparable. ``VLLM_CPU_OMP_THREADS_BIND`` in the environment still wins; one CPU means no binding.
+    engines serving one worker's traffic take turns on one core while another idles (the recommender
+    check's live schedule served 3-7x fewer requests that way). Side by side they still slow each other,
+    the plain engine more (BENCHMARKS.md, "The recommender against the sweep").
+    ``VLLM_CPU_OMP_THREADS_BIND`` in the environment still wins; one CPU means no binding.
     """
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
