@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from typer.testing import CliRunner
 
 from controlplane.analysis.recommend import Recommendation, cell_report
 from controlplane.cli import app
+from controlplane.telemetry.buckets import batch_bucket
+from controlplane.telemetry.histogram import bucket_index
 from testbed import reccheck
 
 runner = CliRunner()
@@ -198,10 +201,6 @@ def _evidence_as_the_sweep_measured(sweep: dict[str, Any], cells: dict[str, Any]
                                     sigma: float = 0.3) -> dict[str, Any]:
     """The recorded cells with their ITL replaced by what the sweep says: per bucket, plain ITL drawn around
     the base engine's mean and speculative ITL around the speculative engine's (lognormal, seeded)."""
-    import random
-
-    from controlplane.telemetry.histogram import bucket_index
-
     itl = {(r["variant"], r["route"], r["concurrency"]): r["mean_itl_ms"] for r in sweep["http"]}
     engines = reccheck.route_engines(reccheck.check_policy())
     rng = random.Random(7)
@@ -215,7 +214,7 @@ def _evidence_as_the_sweep_measured(sweep: dict[str, Any], cells: dict[str, Any]
         return {**template, "itl": hist, "itl_ms_sum": sum(values), "itl_count": n}
 
     out = copy.deepcopy(cells)
-    load_of_bucket = {reccheck.batch_bucket(c): c for c in (1, 2, 4, 8, 16)}
+    load_of_bucket = {batch_bucket(c): c for c in (1, 2, 4, 8, 16)}
     for cell in out["cells"]:
         c = load_of_bucket[cell["batch_bucket"]]
         route = cell["route"]
