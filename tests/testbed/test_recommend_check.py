@@ -2,8 +2,10 @@
 
 The recorded files are ``bench/results-testbed/crossover/sweep.json`` (the ground truth: each engine
 variant alone, real vLLM on CPU) and ``bench/results-testbed/recommend-check-cells.json`` (telemetry of
-``specgate loadgen`` through a real sidecar and control plane, exploration on). ``--live`` re-records the
-second; the tests here never start an engine.
+``specgate loadgen`` through a real sidecar and control plane, exploration on), both made with the model
+pair whose fingerprint they carry. ``--live`` re-records the second; the tests here never start an engine.
+Beside the recorded outcome, the recommender is checked on evidence built from the sweep itself, which
+every route must pass and which, with its cohorts swapped, every route must fail.
 """
 
 from __future__ import annotations
