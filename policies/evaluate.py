@@ -12,6 +12,7 @@ Two readings of the same document:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,19 @@ DEFAULT_RULE = "default"
 
 def exploration_salt(policy_name: str) -> str:
     return f"explore:{policy_name}"
+
+
+def exploration_key(shape: RequestShape, window_s: float | None) -> str | None:
+    """What the exploration split hashes: the request id, or with ``window_s`` the time window.
+
+    A window's key is ``"window:"`` and the decimal index ``floor(arrival_time / window_s)``, so every
+    worker that runs the policy with a clock in sync explores the same windows. None explores nothing.
+    """
+    if window_s is None:
+        return shape.request_id
+    if shape.arrival_time is None:
+        return None
+    return f"window:{math.floor(shape.arrival_time / window_s)}"
 
 
 def _decision_for(doc: PolicyDocument, then: Then, rule: str, revision: str) -> Decision:
@@ -85,8 +99,9 @@ def interpret(doc: PolicyDocument, shape: RequestShape, revision: str = "") -> D
             decision = _decision_for(doc, rule.then, rule.name, revision)
             break
     rate = doc.exploration.rate
-    if rate > 0 and shape.request_id is not None:
-        if sticky_fraction(shape.request_id, exploration_salt(doc.name)) < rate:
+    key = exploration_key(shape, doc.exploration.window_s)
+    if rate > 0 and key is not None:
+        if sticky_fraction(key, exploration_salt(doc.name)) < rate:
             alternative = _explored_alternative(doc, decision)
             if alternative is not None:
                 return alternative
@@ -187,7 +202,7 @@ def _function_source(em: _Emitter, fname: str, rules: list[tuple[Rule, Decision,
         d = em.const(decision)
         if alternative is None or rate <= 0:
             return f"return {d}"
-        return f"return _explore({d}, {em.const(alternative)}, s.request_id)"
+        return f"return _explore({d}, {em.const(alternative)}, s)"
 
     for rule, decision, alternative in rules:
         cond = _condition(em, rule.when, used, route_known)
@@ -207,12 +222,21 @@ def _build(doc: PolicyDocument, revision: str) -> tuple[Callable[[RequestShape],
     rate = doc.exploration.rate
     salt = exploration_salt(doc.name)
 
-    def explore(decision: Decision, alternative: Decision, request_id: str | None) -> Decision:
+    window_s = doc.exploration.window_s
+
+    def explore(decision: Decision, alternative: Decision, shape: RequestShape) -> Decision:
+        request_id = shape.request_id
         if request_id is not None and sticky_fraction(request_id, salt) < rate:
             return alternative
         return decision
 
-    em.namespace["_explore"] = explore
+    def explore_window(decision: Decision, alternative: Decision, shape: RequestShape) -> Decision:
+        key = exploration_key(shape, window_s)
+        if key is not None and sticky_fraction(key, salt) < rate:
+            return alternative
+        return decision
+
+    em.namespace["_explore"] = explore if window_s is None else explore_window
     compiled_rules: list[tuple[Rule, Decision, Decision | None]] = []
     for rule in doc.rules:
         decision = _decision_for(doc, rule.then, rule.name, revision)

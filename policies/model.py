@@ -194,12 +194,22 @@ class Exploration(_Strict):
     """A holdout: this share of requests gets the other decision, tagged.
 
     Speculative decisions are explored on the policy's plain engine, plain
-    decisions on ``speculative_engine``; the split is a sticky hash of the
-    request id, so a replay of the same request explores the same way.
+    decisions on ``speculative_engine``. By default the split is a sticky hash
+    of the request id, so a replay of the same request explores the same way.
+
+    With ``window_s`` the split is by time instead (a switchback): wall-clock
+    time is cut into windows of that many seconds and a whole window is
+    explored or not, by a sticky hash of its index. Per-request holdouts put
+    the plain and the speculative engine under load at the same moment, and
+    where the two share CPUs, memory bandwidth or a GPU, each one's latency
+    then depends on the other's load; in a switchback window every request of
+    a kind runs on one variant, as it would if the policy chose it for all.
     """
 
     rate: Annotated[float, Field(ge=0.0, le=0.5)] = 0.0
     speculative_engine: Identifier | None = None
+    # None, not a default number: a document without it must keep the revision id it had before the field existed
+    window_s: Annotated[float, Field(ge=1.0, le=86400.0)] | None = None
 
 
 class Guardrails(_Strict):

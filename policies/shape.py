@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -20,6 +21,8 @@ class RequestShape:
     ``batch_size`` counts the requests in flight on the worker when this one is
     admitted, this one included. ``max_tokens`` is None when the client did not
     set it; a range predicate on an unknown value does not match.
+    ``arrival_time`` (seconds since the Unix epoch) is read only by exploration
+    in time windows; without it such a policy explores nothing.
     """
 
     route: str = "default"
@@ -32,6 +35,7 @@ class RequestShape:
     prompt_tokens: int = 0
     labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY_LABELS)
     request_id: str | None = None
+    arrival_time: float | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> RequestShape:
@@ -66,6 +70,11 @@ class RequestShape:
         want("max_tokens", (int,), "an integer", optional=True)
         want("prompt_tokens", (int,), "an integer")
         want("request_id", (str,), "a string", optional=True)
+        arrival = data.get("arrival_time")
+        if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+                                    or not math.isfinite(arrival)):
+            errors.append(FieldError("arrival_time", "wrong_type",
+                                     "expected a finite number of seconds since the Unix epoch"))
         labels = data.get("labels", {})
         if not isinstance(labels, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
@@ -74,6 +83,8 @@ class RequestShape:
         if errors:
             raise RequestShapeError(errors)
         values = {k: v for k, v in data.items() if k != "labels"}
+        if values.get("arrival_time") is not None:
+            values["arrival_time"] = float(values["arrival_time"])
         return cls(labels=MappingProxyType(dict(labels)), **values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,7 +92,7 @@ class RequestShape:
             "route": self.route, "model": self.model, "batch_size": self.batch_size,
             "structured_output": self.structured_output, "tools": self.tools, "stream": self.stream,
             "max_tokens": self.max_tokens, "prompt_tokens": self.prompt_tokens,
-            "labels": dict(self.labels), "request_id": self.request_id,
+            "labels": dict(self.labels), "request_id": self.request_id, "arrival_time": self.arrival_time,
         }
 
 

@@ -195,7 +195,8 @@ def parse_labels(header: str | None) -> Mapping[str, str]:
 
 def classify(body: Mapping[str, Any], *, path: str, route_header: str | None = None,
              labels_header: str | None = None, routes: Mapping[str, str] | None = None,
-             batch_size: int = 1, request_id: str | None = None) -> RequestShape:
+             batch_size: int = 1, request_id: str | None = None,
+             arrival_time: float | None = None) -> RequestShape:
     """The request shape of one parsed request body (a JSON object)."""
     model = body.get("model")
     tools = body.get("tools")
@@ -210,4 +211,5 @@ def classify(body: Mapping[str, Any], *, path: str, route_header: str | None = N
         prompt_tokens=estimate_prompt_tokens(body),
         labels=parse_labels(labels_header),
         request_id=request_id,
+        arrival_time=arrival_time,
     )

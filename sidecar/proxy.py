@@ -367,7 +367,8 @@ class SidecarApp:
         batch_size = self.batch.admit()
         try:
             call.shape = classify(data, path=call.path, route_header=route_header, labels_header=labels_header,
-                                  routes=self.routes, batch_size=batch_size, request_id=request_id)
+                                  routes=self.routes, batch_size=batch_size, request_id=request_id,
+                                  arrival_time=wall)
             await self._serve(call, bundle, data, body, headers, query, receive, send)
         finally:
             self.batch.release()

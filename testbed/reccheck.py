@@ -7,8 +7,8 @@ Two measurements of the same testbed (tiny trained models on vLLM's CPU build) m
   route; speculation *pays* in a cell when the plain engine's ITL over the speculative one's is >= 1;
 * the evidence: telemetry from ``specgate loadgen`` through a real sidecar and control plane with
   :data:`CHECK_POLICY`, which speculates on every route at every batch size with the method under test
-  and explores half of the requests on the plain engine. The recommender sees nothing but those
-  per-bucket statistics (``GET /v1/analysis/cells``).
+  and explores half of the time on the plain engine, in 3-second windows (a switchback). The
+  recommender sees nothing but those per-bucket statistics (``GET /v1/analysis/cells``).
 
 Concurrency ``c`` in the sweep and batch-size bucket ``batch_bucket(c)`` in the telemetry are the same
 scale: 1, 2, 4, 8 and 16 fall into the buckets 1, 2, 3-4, 5-8 and 9-16.
@@ -16,9 +16,8 @@ scale: 1, 2, 4, 8 and 16 fall into the buckets 1, 2, 3-4, 5-8 and 9-16.
 :func:`ground_truth` turns the sweep into what a recommendation must say per route: ``exclude`` when
 speculation paid at no level; otherwise the range of buckets a threshold may end in, from the last
 bucket of the unbroken paying run from the smallest load to the largest bucket that paid (a clean
-crossover makes that one bucket), widened by one bucket on each side (the tolerance of the issue: the
-sidecar splits a level's requests between two engines on shared cores, which moves a crossover by up to
-a factor of 2, one bucket). :func:`outcome` applies the recommendations to :data:`CHECK_POLICY` and
+crossover makes that one bucket), widened by one bucket on each side (the tolerance of the issue).
+:func:`outcome` applies the recommendations to :data:`CHECK_POLICY` and
 reads where each route ends up; :func:`compare` puts the two side by side.
 
 ``specgate testbed recommend-check`` runs the comparison on the recorded files (the test suite does the
@@ -55,19 +54,23 @@ CELLS_FILE = RESULTS / "recommend-check-cells.json"
 REPORT_FILE = RESULTS / "recommend-check.md"
 
 # Every route speculates at every batch size, each with the method whose crossover the check looks for,
-# and half of the requests run on the plain engine: per bucket, a speculative and a plain cohort of about
-# the same size. No acceptance guardrail: an admin's acceptance floor would exclude a route whatever its
+# and the worker switches between that method and the plain engine in 3-second windows (exploration by
+# time window, a switchback, at rate 0.5): per bucket, a speculative and a plain cohort of about the same
+# size, each measured with its engine carrying the whole load, as in the sweep. A per-request split
+# (exploration without window_s) runs both engines at once on the same two cores, and then each one's
+# latency depends on the other's load more than on speculation (BENCHMARKS.md, "The recommender against
+# the sweep"). No acceptance guardrail: an admin's acceptance floor would exclude a route whatever its
 # speed, and the check is about speed. The methods are chosen from the sweep of the recorded models
-# (fingerprint in both recordings) so that the check meets every shape: a crossover at low load
-# (extract, draft model: pays at 1-2, loses from 4), one at high load (chat, n-gram: pays to 8, loses
-# at 16) and two routes where it never pays (classify and creative, draft model). Where a method paid at
-# every load (n-gram on extract and creative, the draft model on chat) a recommender that changes nothing
-# would agree without being tested.
+# (fingerprint in both recordings) so that the check meets a crossover (extract, draft model: pays at
+# 1-4, loses from 8), a route where speculation pays at every load and must keep it (chat, n-gram) and two
+# where it never pays (classify and creative, draft model). A first sweep of these models, whose client
+# could not hold the concurrency (BENCHMARKS.md, "HTTP again"), had chat's n-gram crossing between 8 and
+# 16 and extract's draft model between 2 and 4; no other method of the second sweep crosses cleanly.
 CHECK_POLICY = """\
 apiVersion: specgate/v1
 name: recommend-check
-description: Speculates everywhere and explores half of the traffic on the plain engine, so that the
-  recommender has a speculative and a plain cohort in every batch-size bucket.
+description: Speculates everywhere and explores half of the time on the plain engine, in windows of
+  3 s, so that the recommender has a speculative and a plain cohort in every batch-size bucket.
 engines:
   base:
     method: none
@@ -91,6 +94,7 @@ default: {engine: base}
 exploration:
   rate: 0.5
   speculative_engine: draft
+  window_s: 3
 guardrails:
   min_samples: 100
 """
@@ -98,10 +102,9 @@ guardrails:
 # The traffic of a live recording: one route at a time, each through the sweep's concurrency levels;
 # plain JSON answers (structured output never speculates), greedy like the sweep (vLLM's CPU build
 # accepts no draft token when it samples). One route at a time because a bucket counts the worker's
-# requests in flight, and an engine only runs its share of them: with every route at once (a first
-# recording) the n-gram engine held a quarter of a bucket's requests, two buckets below the sweep's
-# scale; with one route and half of it explored, the speculative engine holds half, one bucket below.
-# About 15 minutes, some 100 to 400 requests per cohort and bucket.
+# requests in flight, and an engine should run all of them, as in the sweep: with every route at once (a
+# first recording) the n-gram engine held a quarter of a bucket's requests, two buckets below the sweep's
+# scale. About 15 minutes, some 100 to 400 requests per cohort and bucket.
 LIVE_ROUTES = ("extract", "classify", "chat", "creative")
 LIVE_SCHEDULE = "1:60s,2:45s,4:40s,8:35s,16:30s"
 LIVE_MAX_TOKENS = 32

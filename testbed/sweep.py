@@ -5,7 +5,9 @@ load (three busy processes plus the load client):
 
 * HTTP: each variant's server alone, requests of one route at concurrency
   1..16; the server's own per-request ``metrics`` (TTFT, mean inter-token
-  latency, speculative acceptance) and the client-side aggregate tokens/s.
+  latency, speculative acceptance), the client-side aggregate tokens/s and
+  how many requests were inside the engine on average (whether the
+  concurrency reached the engine or queued in front of it).
 * Offline: ``vllm.LLM`` on static batches of 1..32 (``testbed.offline``, in
   the engine environment): the engine's own throughput, no HTTP.
 
@@ -26,8 +28,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from testbed import corpus, engines, env
 from testbed.models import ensure
 from testbed.recipe import RECIPE
@@ -43,23 +43,30 @@ def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 async def _cell(url: str, prompts: Sequence[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
+    # aiohttp, not httpx: on 2 cores an httpx client held 16 "concurrent" requests at 20-24 requests/s and
+    # kept the plain engine at about one request in flight (occupancy 1.0-1.35), where aiohttp reached
+    # 41-80 requests/s and 2.6-6 in flight on the same engine. The cell's load must be the engine's.
+    import aiohttp
+
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     results: list[dict[str, Any]] = []
     errors = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    timeout = aiohttp.ClientTimeout(total=300.0)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as client:
 
         async def worker() -> None:
             nonlocal errors
             while not queue.empty():
                 prompt = queue.get_nowait()
-                response = await client.post("/v1/chat/completions", json=chat_body(prompt, max_tokens))
-                if response.status_code != 200:
-                    errors += 1
-                    continue
-                results.append(response.json())
+                async with client.post("/v1/chat/completions", json=chat_body(prompt, max_tokens)) as response:
+                    if response.status != 200:
+                        await response.read()
+                        errors += 1
+                        continue
+                    results.append(await response.json())
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -77,6 +84,12 @@ def summarize(responses: Sequence[dict[str, Any]], wall_s: float, errors: int = 
     drafted = sum(int(s.get("num_draft_tokens") or 0) for s in spec)
     accepted = sum(int(s.get("num_accepted_draft_tokens") or 0) for s in spec)
     steps = sum(int(s.get("num_spec_steps") or 0) for s in spec)
+    # Requests inside the engine on average (Little's law: arrival rate x time from arrival at the engine to
+    # the last token). It says whether the cell's concurrency reached the engine or queued before it.
+    occupancy = None
+    if responses and wall_s > 0 and itl and ttft:
+        per_request_s = (statistics.fmean(ttft) + statistics.fmean(itl) * max(tokens / len(responses) - 1, 0)) / 1000
+        occupancy = round(len(responses) / wall_s * per_request_s, 2)
     return {
         "requests": len(responses), "errors": errors, "wall_s": round(wall_s, 3), "output_tokens": tokens,
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
@@ -85,6 +98,7 @@ def summarize(responses: Sequence[dict[str, Any]], wall_s: float, errors: int = 
         "draft_tokens": drafted, "accepted_tokens": accepted,
         "acceptance": round(accepted / drafted, 4) if drafted else None,
         "mean_acceptance_length": round(1 + accepted / steps, 3) if steps else None,
+        "engine_occupancy": occupancy,
     }
 
 
@@ -218,10 +232,12 @@ def markdown(result: dict[str, Any]) -> str:
         loads = sorted({r["concurrency"] for r in http})
         lines += ["### HTTP: server-side mean inter-token latency (ms) and speedup vs base", "",
                   "Speedup = base ITL / variant ITL at the same route and concurrency; acceptance = accepted / "
-                  "drafted tokens; tok/s = completion tokens / wall time of the cell (client side).", ""]
+                  "drafted tokens; tok/s = completion tokens / wall time of the cell (client side); in engine = "
+                  "requests inside the engine on average (requests/s x (TTFT + ITL x (tokens - 1))), what the "
+                  "concurrency became at the engine.", ""]
         header = ["route", "conc"] + [f"{v} ITL" for v in variants] + [f"{v} speedup" for v in spec_variants] \
             + [f"{v} tok/s" for v in variants] + [f"{v} TTFT ms" for v in variants] \
-            + [f"{v} accept" for v in spec_variants]
+            + [f"{v} accept" for v in spec_variants] + [f"{v} in engine" for v in variants]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for route in routes:
             for c in loads:
@@ -231,6 +247,7 @@ def markdown(result: dict[str, Any]) -> str:
                 row += [_fmt(_get(idx, v, route, c, "tokens_per_s"), 0) for v in variants]
                 row += [_fmt(_get(idx, v, route, c, "ttft_ms"), 0) for v in variants]
                 row += [_fmt(_get(idx, v, route, c, "acceptance"), 2) for v in spec_variants]
+                row += [_fmt(_get(idx, v, route, c, "engine_occupancy"), 1) for v in variants]
                 lines.append("| " + " | ".join(row) + " |")
         lines += ["", "Crossover (HTTP, by ITL speedup):", ""]
         for route in routes:

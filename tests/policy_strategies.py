@@ -136,6 +136,9 @@ def raw_documents(draw: st.DrawFn, route_modes: st.SearchStrategy[bool | None] |
             "rate": draw(st.one_of(st.just(0.5), st.floats(0.0, 0.5, exclude_min=True))),
             "speculative_engine": draw(st.sampled_from(speculative)),
         }
+        if draw(st.integers(0, 2)) == 0:  # a switchback: exploration by time window
+            doc["exploration"]["window_s"] = draw(st.one_of(st.sampled_from((1, 10, 60)),
+                                                            st.floats(1.0, 86400.0)))
     elif draw(st.integers(0, 4)) == 0:
         doc["exploration"] = {"rate": 0.0}
     return doc
@@ -182,6 +185,7 @@ shapes = st.builds(
     labels=st.dictionaries(st.sampled_from((*LABEL_KEYS, "other")), st.sampled_from((*LABEL_VALUES, "z")),
                            max_size=3),
     request_id=request_ids,
+    arrival_time=st.one_of(st.none(), st.floats(0.0, 4e9), st.integers(1_700_000_000, 1_800_000_000).map(float)),
 )
 
 

@@ -103,8 +103,8 @@ def test_unrouted_rule_between_routed_rules_keeps_its_place() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    raw=raw_documents(exploration=True, min_rules=1).filter(lambda d: "speculative_engine"
-                                                             in d.get("exploration", {})),
+    raw=raw_documents(exploration=True, min_rules=1).filter(
+        lambda d: "speculative_engine" in d.get("exploration", {}) and "window_s" not in d["exploration"]),
     first=shapes,
     second=shapes,
     request_id=present_request_ids,
@@ -126,13 +126,59 @@ def test_exploration_depends_only_on_request_id(raw: dict[str, Any], first: Requ
     assert compiled.decide(second).explored == a.explored
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    raw=raw_documents(exploration=True, min_rules=1).filter(lambda d: "window_s" in d.get("exploration", {})),
+    first=shapes,
+    second=shapes,
+    offset=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_window_exploration_depends_only_on_the_window(raw: dict[str, Any], first: RequestShape,
+                                                       second: RequestShape, offset: float) -> None:
+    doc = validate_generated(raw)
+    compiled = compile_policy(doc, REVISION)
+    window_s = doc.exploration.window_s
+    assert window_s is not None
+    start = math.floor((first.arrival_time or 1_750_000_000.0) / window_s) * window_s
+    first = dataclasses.replace(first, arrival_time=start)
+    # another request (other id, other shape) later in the same window
+    later = start + offset * window_s
+    if math.floor(later / window_s) != math.floor(start / window_s):  # float rounding at the window's end
+        later = start
+    second = dataclasses.replace(second, arrival_time=later)
+    a = compiled.decide(first)
+    assert interpret(doc, first, REVISION) == a
+    assert interpret(doc, second, REVISION) == compiled.decide(second)
+    assert compiled.decide(second).explored == a.explored
+
+
 @settings(max_examples=50, deadline=None)
 @given(raw=raw_documents(exploration=True), shape=shapes)
 def test_no_request_id_is_never_explored(raw: dict[str, Any], shape: RequestShape) -> None:
     doc = validate_generated(raw)
-    shape = dataclasses.replace(shape, request_id=None)
+    # the key of a request-level split is the request id, of a window split the arrival time
+    shape = dataclasses.replace(shape, request_id=None) if doc.exploration.window_s is None else \
+        dataclasses.replace(shape, arrival_time=None)
     assert not compile_policy(doc, REVISION).decide(shape).explored
     assert not interpret(doc, shape, REVISION).explored
+
+
+@pytest.mark.parametrize("window_s", [1.0, 7.5, 300.0])
+def test_window_exploration_explores_the_rate_of_windows(window_s: float) -> None:
+    doc = validate_data({**_exploring_doc(0.2).model_dump(by_alias=True, exclude_none=True),
+                         "exploration": {"rate": 0.2, "speculative_engine": "draft", "window_s": window_s}})
+    compiled = compile_policy(doc, REVISION)
+    start = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+    n = 5_000
+    explored = 0
+    for i in range(n):
+        at = start + i * window_s
+        decisions = {compiled.decide(RequestShape(route="chat", arrival_time=at + f * window_s,
+                                                  request_id=f"r{i}-{f}")).explored for f in (0.0, 0.5, 0.99)}
+        assert len(decisions) == 1  # the whole window goes one way
+        explored += decisions.pop()
+    sigma = math.sqrt(n * 0.2 * 0.8)
+    assert abs(explored - n * 0.2) <= 5 * sigma, (explored, sigma)
 
 
 def _exploring_doc(rate: float) -> PolicyDocument:

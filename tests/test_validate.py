@@ -20,6 +20,8 @@ from policies import (
     FieldError,
     PolicyDocument,
     PolicyValidationError,
+    RequestShape,
+    RequestShapeError,
     load_policy,
     revision_id,
     validate_data,
@@ -502,3 +504,18 @@ def test_alias_expansion_does_not_blow_up() -> None:
 ])
 def test_odd_yaml_is_rejected_cleanly(text: str) -> None:
     assert _load_or_reject(text) is None
+
+
+@pytest.mark.parametrize("value", ["10", True, float("nan"), float("inf"), [1]])
+def test_request_shape_rejects_a_bad_arrival_time_by_name(value: Any) -> None:
+    with pytest.raises(RequestShapeError) as info:
+        RequestShape.from_dict({"route": "chat", "arrival_time": value})
+    assert [(e.path, e.code) for e in info.value.errors] == [("arrival_time", "wrong_type")]
+
+
+def test_request_shape_arrival_time_round_trips_as_a_float() -> None:
+    shape = RequestShape.from_dict({"arrival_time": 1_767_225_600})
+    assert shape.arrival_time == 1_767_225_600.0
+    assert type(shape.arrival_time) is float
+    assert RequestShape.from_dict(shape.to_dict()) == shape
+    assert RequestShape.from_dict({}).arrival_time is None

@@ -12,7 +12,8 @@ What it proposes, per route:
   interval of plain/speculative inter-token latency lies above 1), walking up
   from the smallest bucket and stopping at the first bucket where it loses
   with confidence. A raise needs every bucket it adds to win; a lower is
-  proposed when a bucket the policy speculates in loses.
+  proposed when a bucket the policy speculates in loses, and goes down to the
+  largest winning bucket below it (just below the loss when none wins).
 - ``exclude_route``: speculation loses with confidence and wins nowhere, or
   the measured acceptance is below the guardrail's minimum with confidence.
 - ``change_k``: the Leviathan formula with the measured acceptance prefers
@@ -281,10 +282,16 @@ def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
             if first_loss is not None:
                 keep = [b for b in BATCH_BUCKETS if b < first_loss and spec_now.get(b)]
                 if keep:
-                    new_max = bucket_upper(keep[-1])
-                    dropped = {b for b in BATCH_BUCKETS if b >= first_loss and spec_now.get(b)}
+                    # Down to the largest bucket that still wins, not to the one just below the loss: a bucket
+                    # between them with no clear difference gives no reason to pay for drafting there, and
+                    # the loss above says which way it leans. Where nothing below the loss wins (thin or
+                    # unclear evidence), stop just below the loss and let more traffic decide the rest.
+                    winning = [b for b in keep if verdicts.get(b, (INSUFFICIENT, None))[0] == "wins"]
+                    new_max = bucket_upper(winning[-1] if winning else keep[-1])
+                    dropped = {b for b in BATCH_BUCKETS if bucket_upper(b) > new_max and spec_now.get(b)}
+                    unclear = sorted(b for b in dropped if b < first_loss and b in verdicts)
                     ests = [verdicts[b][1] for b in loses if b in dropped]
-                    sp = _mean_speedup(route_cells, dropped & set(loses), cfg)
+                    sp = _mean_speedup(route_cells, dropped, cfg)
                     add("lower_threshold", route, f"lower route {route!r}'s batch threshold to {new_max}",
                         {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
                         {"batch_max": {"from": current, "to": new_max},
@@ -295,7 +302,11 @@ def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
                         f"slower with confidence from batch size {batch_bucket_label(first_loss)} "
                         f"(plain/speculative ITL {verdicts[first_loss][1].ratio:.2f}, "  # type: ignore[union-attr]
                         f"{cfg.confidence:.0%} interval {verdicts[first_loss][1].low:.2f}-"  # type: ignore[union-attr]
-                        f"{verdicts[first_loss][1].high:.2f}).")  # type: ignore[union-attr]
+                        f"{verdicts[first_loss][1].high:.2f})"  # type: ignore[union-attr]
+                        + ("" if not unclear else
+                           f"; in {', '.join(batch_bucket_label(b) for b in unclear)} it is not faster with "
+                           "confidence")
+                        + ".")
                     continue
         if target is not None and (current is None or bucket_upper(target) > current):
             added = {b for b in BATCH_BUCKETS if b <= target and not spec_now.get(b)}

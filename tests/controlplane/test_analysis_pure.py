@@ -232,6 +232,30 @@ def test_lower_threshold_when_a_speculated_bucket_loses() -> None:
     assert "from 8 to 2" in rec.message
 
 
+def test_lower_threshold_skips_buckets_that_do_not_win_below_the_loss() -> None:
+    # Wins at 1-2, no difference at 3-4, loses from 5-8: speculating at 3-4 buys nothing, so the threshold
+    # goes to the largest winning bucket, not to the bucket just below the loss.
+    rng = random.Random(16)
+    cells = [cell(rng, "chat", 1, 12, 20), cell(rng, "chat", 2, 13, 20), cell(rng, "chat", 3, 20, 20),
+             cell(rng, "chat", 5, 30, 20), cell(rng, "chat", 9, 34, 20)]
+    rec = _by_kind(recommend(doc(16), "rev", cells))[("lower_threshold", "chat")]
+    verdicts = {row["batch_bucket"]: row["verdict"] for row in rec.evidence["buckets"]}
+    assert verdicts == {1: "wins", 2: "wins", 3: "no clear difference", 5: "loses", 9: "loses"}
+    assert rec.edit == {"kind": "set_batch_max", "route": "chat", "batch_max": 2}
+    assert "from 16 to 2" in rec.message
+    assert "in 3-4 it is not faster with confidence" in rec.message
+    # The affected traffic is every bucket the edit stops speculating in, the unclear one included.
+    share = sum(c.speculative.requests + c.plain.requests for c in cells if c.batch_bucket >= 3)
+    total = sum(c.speculative.requests + c.plain.requests for c in cells)
+    assert rec.expected_effect["share_of_route_traffic"] == round(share / total, 4)
+    # Nothing below the loss wins (a win above it keeps the route from being excluded): stop just below it.
+    unclear = [cell(rng, "chat", 1, 20, 20), cell(rng, "chat", 2, 20, 20), cell(rng, "chat", 3, 30, 20),
+               cell(rng, "chat", 9, 12, 20)]
+    rec = _by_kind(recommend(doc(16), "rev", unclear))[("lower_threshold", "chat")]
+    assert [row["verdict"] for row in rec.evidence["buckets"]] == ["no clear difference"] * 2 + ["loses", "wins"]
+    assert rec.edit == {"kind": "set_batch_max", "route": "chat", "batch_max": 2}
+
+
 def test_thin_evidence_changes_nothing() -> None:
     rng = random.Random(7)
     cells = [cell(rng, "chat", b, 10, 20, n=20) for b in (1, 2, 3, 5, 9)]

@@ -139,6 +139,38 @@ def test_canary_revision_decides_its_share(make_sidecar: SidecarFactory, draft: 
     assert not draft.requests
 
 
+def test_exploration_by_time_window_switches_whole_windows(make_sidecar: SidecarFactory, draft: FakeEngine,
+                                                          base: FakeEngine) -> None:
+    """A switchback: every request of a window gets the same variant, and the window's hash says which."""
+    switchback = policies.load_policy(SEED.read_text() + "exploration: {rate: 0.5, speculative_engine: draft, "
+                                      "window_s: 1}\n")
+    bundle = policies.CompiledBundle(policies.BundlePayload(policies.Revision.of(switchback)))
+    sidecar = make_sidecar(bundle=bundle)
+    salt = "explore:" + switchback.name
+    engines_by_window: dict[int, set[str]] = {}
+    deadline = time.monotonic() + 30
+    sent = 0
+    # until both kinds of window were seen, with several requests in each
+    while time.monotonic() < deadline:
+        response = post(sidecar)
+        assert response.status_code == 200
+        sent += 1
+        event = sidecar.exporter.wait(sent)[-1]
+        window = int(event.time.timestamp() // 1)
+        explored = policies.sticky_fraction(f"window:{window}", salt) < 0.5
+        assert event.explored is explored
+        assert event.engine == ("base" if explored else "draft")  # chat at batch 1 speculates unless explored
+        assert decision_fields(response.headers["x-specgate-decision"])["explored"] == str(explored).lower()
+        engines_by_window.setdefault(window, set()).add(event.engine)
+        kinds = {next(iter(e)) for e in engines_by_window.values() if len(e) == 1}
+        if kinds == {"base", "draft"} and sent >= 20:
+            break
+        time.sleep(0.05)
+    assert all(len(engines) == 1 for engines in engines_by_window.values()), engines_by_window
+    assert {next(iter(e)) for e in engines_by_window.values()} == {"base", "draft"}
+    assert len(draft.requests) + len(base.requests) == sent
+
+
 def test_no_policy_yet_is_503_and_not_ready(make_sidecar: SidecarFactory, base: FakeEngine) -> None:
     sidecar = make_sidecar(bundle=None)
     response = post(sidecar)

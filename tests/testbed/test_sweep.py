@@ -24,6 +24,8 @@ def test_summarize_uses_the_engines_own_metrics() -> None:
     assert cell["ttft_ms"] == 6.0
     assert cell["acceptance"] == round(7 / 12, 4)
     assert cell["mean_acceptance_length"] == round(1 + 7 / 3, 3)
+    # 1 request/s, each (6 + 3 x 19) ms inside the engine
+    assert cell["engine_occupancy"] == 0.06
 
 
 def test_summarize_without_speculation() -> None:
@@ -72,4 +74,5 @@ def test_http_sweep_against_a_fake_openai_server() -> None:
     assert [(r["route"], r["concurrency"], r["requests"]) for r in rows] == [
         ("chat", 1, 4), ("chat", 3, 6), ("extract", 1, 4), ("extract", 3, 6)]
     assert all(r["errors"] == 0 and r["output_tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["engine_occupancy"] is not None and r["engine_occupancy"] > 0 for r in rows), rows
     assert "### HTTP" in sweep.markdown({"http": rows})
