@@ -129,10 +129,13 @@ def test_labels_header() -> None:
 def test_classify_fills_every_field() -> None:
     body = chat(stream=True, max_tokens=64, tools=[{"type": "function", "function": {"name": "f"}}],
                 metadata={"route": "chat"})
-    shape = classify(body, path=CHAT, labels_header="tenant=acme", batch_size=3, request_id="r1")
+    shape = classify(body, path=CHAT, labels_header="tenant=acme", batch_size=3, request_id="r1",
+                     arrival_time=1_796_000_000.25)
     assert shape.to_dict() == {
         "route": "chat", "model": "llama", "batch_size": 3, "structured_output": False, "tools": True,
         "stream": True, "max_tokens": 64, "prompt_tokens": 2, "labels": {"tenant": "acme"}, "request_id": "r1",
+        "arrival_time": 1_796_000_000.25,
     }
+    assert classify({}, path=CHAT).arrival_time is None
     assert classify({"model": 5, "stream": "yes", "tools": {}}, path=CHAT).to_dict()["model"] == ""
     assert classify({"stream": "yes"}, path=CHAT).stream is False
