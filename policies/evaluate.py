@@ -224,6 +224,8 @@ def _build(doc: PolicyDocument, revision: str) -> tuple[Callable[[RequestShape],
 
     window_s = doc.exploration.window_s
 
+    # Two closures rather than one over exploration_key: the request-id split runs on every request of most
+    # policies, and there it saves building a key.
     def explore(decision: Decision, alternative: Decision, shape: RequestShape) -> Decision:
         request_id = shape.request_id
         if request_id is not None and sticky_fraction(request_id, salt) < rate:

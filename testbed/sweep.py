@@ -44,7 +44,7 @@ def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
 
 async def _cell(url: str, prompts: Sequence[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
     # aiohttp, not httpx: on 2 cores an httpx client held 16 "concurrent" requests at 20-24 requests/s and
-    # kept the plain engine at about one request in flight (occupancy 1.0-1.35), where aiohttp reached
+    # kept the plain engine at about one request in flight (occupancy 0.97-1.35), where aiohttp reached
     # 41-80 requests/s and 2.6-6 in flight on the same engine. The cell's load must be the engine's.
     import aiohttp
 
