@@ -634,11 +634,14 @@ def _area(frames: list[str]) -> str:
     if "ThreadPoolExecutor.submit" in leaf:
         return "telemetry batch hand-off to the thread (ThreadPoolExecutor.submit, GIL)"
     own = "sidecar's own request path (parse, classify, decide, relay, event)"
-    client = "aiohttp client (requests to the engine)"
+    # aiohttp is no longer on the request path (sidecar/upstream.py is): what remains is background work
+    aiohttp = "aiohttp (telemetry batches to the control plane, engine scrapes, policy sync)"
     loop = "asyncio Python code (tasks, futures)"
-    areas = (("sidecar/telemetry.py", "sidecar telemetry exporter (event loop side)"), ("sidecar/", own),
-             ("policies/", own), ("aiohttp/", client), ("yarl/", client), ("multidict/", client),
-             ("aiohappyeyeballs/", client), ("http/cookies.py", client),
+    areas = (("sidecar/telemetry.py", "sidecar telemetry exporter (event loop side)"),
+             ("sidecar/server.py", "sidecar/server.py: HTTP server, the client's side (incl. its write() calls)"),
+             ("sidecar/upstream.py", "sidecar/upstream.py: engine client (incl. its write() calls)"),
+             ("sidecar/", own), ("policies/", own), ("aiohttp/", aiohttp), ("yarl/", aiohttp),
+             ("multidict/", aiohttp), ("aiohappyeyeballs/", aiohttp), ("http/cookies.py", aiohttp),
              ("uvicorn/", "uvicorn + httptools server (the client's side)"),
              ("pydantic", "pydantic (telemetry event construction)"), ("uuid.py", "uuid4 request ids"),
              ("asyncio/", loop), ("_weakrefset.py", loop), ("json/", "json"), ("gzip", "gzip"))
@@ -819,7 +822,7 @@ def run(config: Config) -> dict[str, Any]:
                    "duration_s": config.duration_s, "warmup_s": config.warmup_s, "pairs": config.pairs,
                    "tokens": TOKENS},
         "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "aiohttp": _version("aiohttp"), "uvloop": _version("uvloop"), "uvicorn": _version("uvicorn")},
+                    "aiohttp": _version("aiohttp"), "uvloop": _version("uvloop"), "httptools": _version("httptools")},
         "peers": versions, "quiet": quiet, "wall_s": round(time.monotonic() - t0, 1), "runs": runs, "rows": rows,
         "goals": evaluate_goals(rows), "telemetry": telemetry, "profile": prof, "published": PUBLISHED,
         "load_at_end": loadavg(),

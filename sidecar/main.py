@@ -3,10 +3,11 @@
 :class:`Sidecar` builds the policy store, the bundle sync, the telemetry
 exporter, the OpenTelemetry hook (only when an OTLP endpoint is configured)
 and the request-path app (:func:`sidecar.proxy.build_app`). :func:`serve` runs
-it under uvicorn (uvloop, httptools when installed): the sync and exporter
-start before the server accepts requests, so the last-known-good bundle is in
-place; on SIGTERM/SIGINT uvicorn stops accepting, finishes the requests in
-flight, then the sync stops and the exporter flushes (or spools) what is left.
+it under :class:`sidecar.server.HttpServer` (on uvloop when installed): the
+sync and exporter start before the server accepts requests, so the
+last-known-good bundle is in place; on SIGTERM/SIGINT the server stops
+accepting, finishes the requests in flight (30 s at most), then the sync stops
+and the exporter flushes (or spools) what is left.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import aiohttp
 from policies import PolicyStore
 from sidecar.events import TelemetryEvent
 from sidecar.otel import OTelRuntime, otel_from_env
+from sidecar.server import MAX_BODY_BYTES, HttpServer
 from sidecar.settings import SidecarSettings
 from sidecar.sync import PolicySync, sidecar_version
 from sidecar.telemetry import TelemetryExporter
@@ -88,33 +90,24 @@ class Sidecar:
         log.info("sidecar stopped")
 
 
-def _uvicorn_config(app: Any, settings: SidecarSettings, log_level: str) -> Any:
-    import importlib.util
-
-    import uvicorn
-
-    host, _, port = settings.listen.rpartition(":")
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    # proxy_headers off: its middleware wraps every request to rewrite the client address from X-Forwarded-*,
-    # which the sidecar never reads. The Date header stays (HTTP wants it; uvicorn formats it once a second).
-    return uvicorn.Config(app, host=host.strip("[]"), port=int(port), http=http, loop="none", lifespan="on",
-                          log_level=log_level, access_log=False, timeout_graceful_shutdown=30,
-                          server_header=False, proxy_headers=False)
-
-
-async def serve(settings: SidecarSettings, *, log_level: str = "info", app_factory: AppFactory | None = None) -> None:
+async def serve(settings: SidecarSettings, *, app_factory: AppFactory | None = None,
+                shutdown_timeout_s: float = 30.0) -> None:
     """Run the sidecar until SIGTERM/SIGINT, then shut it down gracefully."""
-    import uvicorn
-
     sidecar = Sidecar(settings, app_factory=app_factory)
     await sidecar.start()
-    server = uvicorn.Server(_uvicorn_config(sidecar.app, sidecar.settings, log_level))
-    _freeze_startup_objects()
-    with _signals_end_serving():
-        try:
-            await server.serve()
-        finally:
-            await sidecar.stop()
+    host, _, port = sidecar.settings.listen.rpartition(":")
+    server = HttpServer(sidecar.app, max_body_bytes=getattr(sidecar.app, "max_body_bytes", MAX_BODY_BYTES))
+    stop = asyncio.Event()
+    try:
+        await server.start(host.strip("[]"), int(port))
+        log.info("listening on %s", sidecar.settings.listen)
+        _freeze_startup_objects()
+        with _signals_set(stop):
+            await stop.wait()
+        # stop accepting, let the requests in flight finish, then the sync stops and the exporter flushes
+        await server.shutdown(shutdown_timeout_s)
+    finally:
+        await sidecar.stop()
 
 
 def _freeze_startup_objects() -> None:
@@ -131,27 +124,24 @@ def _freeze_startup_objects() -> None:
 
 
 @contextlib.contextmanager
-def _signals_end_serving() -> Iterator[None]:
-    """Let a signal end ``server.serve()`` and nothing more, so the shutdown after it still runs.
-
-    uvicorn handles SIGINT/SIGTERM while serving and afterwards re-raises the
-    signal it caught to the handler that was there before; with the default
-    handlers that would kill the process before the sync stops and the
-    telemetry is flushed. The handlers here only swallow that re-raise.
-    """
+def _signals_set(stop: asyncio.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set ``stop`` (only in the main thread; elsewhere the caller sets it)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    originals = {sig: signal.signal(sig, _swallow) for sig in (signal.SIGINT, signal.SIGTERM)}
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         yield
     finally:
-        for sig, handler in originals.items():
-            signal.signal(sig, handler)
-
-
-def _swallow(signum: int, frame: object) -> None:
-    log.info("signal %d: shutting down", signum)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def run(settings: SidecarSettings, *, log_level: str = "info") -> None:
@@ -160,6 +150,6 @@ def run(settings: SidecarSettings, *, log_level: str = "info") -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(settings, log_level=log_level))
+        asyncio.run(serve(settings))
     else:
-        uvloop.run(serve(settings, log_level=log_level))
+        uvloop.run(serve(settings))

@@ -6,8 +6,8 @@ OpenAI request (``POST /v1/chat/completions``, ``POST /v1/completions``) it
 1. reads and parses the body once, classifies it (:mod:`sidecar.classify`)
    with the batch size of :mod:`sidecar.batch`, and decides with
    ``store.current.decide(shape)`` (503 problem+json before the first policy);
-2. forwards it to ``settings.engines[decision.engine]`` over a pooled
-   keep-alive ``aiohttp`` session (one per engine); an engine the worker does
+2. forwards it to ``settings.engines[decision.engine]`` over that engine's
+   pool of keep-alive connections (:mod:`sidecar.upstream`); an engine the worker does
    not have is replaced by the policy's fallback (plain) engine, recorded as
    ``fallback_reason="engine_not_configured"``;
 3. if a speculative engine fails before the client got a byte (connection
@@ -60,7 +60,9 @@ from sidecar.batch import BatchEstimator, EngineScraper, InFlight
 from sidecar.classify import JSON_OBJECT, classify, output_schema
 from sidecar.events import TelemetryEvent, encode_labels
 from sidecar.metrics import SidecarMetrics
+from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
+from sidecar.upstream import Headers, Response, Upstream, UpstreamError
 
 try:  # orjson is several times faster than the stdlib; both give the same values here
     import orjson
@@ -97,7 +99,6 @@ class Exporter(Protocol):
 
 API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 PROBLEM_BASE = "https://specgate.dev/problems/"
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 # request headers never forwarded (hop-by-hop, or set by the client library)
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -151,34 +152,54 @@ def _num(value: Any, *, integer: bool = False, at_most: float | None = None) -> 
 
 
 class _Watched:
-    """What a client-disconnect watcher needs: the task to cancel and whether the answer is done."""
+    """What a client-disconnect watcher needs: the task to cancel and whether the answer is done.
 
-    __slots__ = ("task", "disconnected", "done")
+    Under :mod:`sidecar.server` the server calls back when the client goes away (its ``specgate.disconnect``
+    extension); under another ASGI server a task waits on ``receive()`` for ``http.disconnect``.
+    """
+
+    __slots__ = ("task", "disconnected", "done", "hook")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
         self.disconnected = False
         self.done = False
+        self.hook: Any = None
+
+    def on_disconnect(self) -> None:
+        """The client went away before we finished: cancel the request task (and with it the engine's request)."""
+        if self.done:
+            return
+        self.disconnected = True
+        if self.task is not None:
+            self.task.cancel()
 
     def on_receive(self, fut: asyncio.Future[Message]) -> None:
-        """The watcher's callback: a disconnect before we finished cancels the request task."""
+        """The watcher task's callback."""
         if self.done or fut.cancelled() or fut.exception() is not None:
             return
         if fut.result().get("type") == "http.disconnect":
-            self.disconnected = True
-            if self.task is not None:
-                self.task.cancel()
+            self.on_disconnect()
 
-    def watch(self, receive: Receive) -> asyncio.Future[Message]:
-        """Waits for the client's disconnect in the background (the request body has been read)."""
+    def watch(self, scope: Scope, receive: Receive) -> asyncio.Future[Message] | None:
+        """Starts watching for the client's disconnect (the request body has been read)."""
         self.task = asyncio.current_task()
+        extensions = scope.get("extensions")
+        hook = extensions.get("specgate.disconnect") if extensions else None
+        if hook is not None:
+            hook.on_disconnect = self.on_disconnect
+            self.hook = hook
+            return None
         watcher = asyncio.ensure_future(receive())
         watcher.add_done_callback(self.on_receive)
         return watcher
 
-    def unwatch(self, watcher: asyncio.Future[Message]) -> None:
+    def unwatch(self, watcher: asyncio.Future[Message] | None) -> None:
         self.done = True
-        if not watcher.done():
+        if watcher is None:
+            if self.hook is not None:
+                self.hook.on_disconnect = None
+        elif not watcher.done():
             watcher.remove_done_callback(self.on_receive)
             watcher.cancel()
 
@@ -239,8 +260,8 @@ class SidecarApp:
         self.worker_id = settings.worker_id or settings.listen
         self.routes: Mapping[str, str] = dict(settings.routes)
         self.engines: dict[str, str] = {name: url.rstrip("/") for name, url in settings.engines.items()}
-        self.sessions: dict[str, aiohttp.ClientSession] = {}
-        self._urls: dict[tuple[str, str], URL] = {}
+        self.upstreams: dict[str, Upstream] = {}  # the OpenAI requests
+        self.sessions: dict[str, aiohttp.ClientSession] = {}  # everything passed through
         self._headers: dict[int, tuple[Decision, bytes]] = {}
         self._validators: dict[bytes, Any] = {}
         self.inflight = InFlight()
@@ -255,13 +276,15 @@ class SidecarApp:
     # --- lifecycle -----------------------------------------------------------------
 
     async def startup(self) -> None:
-        """Open one pooled client session per engine and start the engine scraper (idempotent)."""
+        """Open the connection pools to each engine and start the engine scraper (idempotent)."""
         if self._started:
             return
         self._started = True
         timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.upstream_connect_timeout_s,
                                         sock_read=self.settings.upstream_read_timeout_s)
-        for name in self.engines:
+        for name, url in self.engines.items():
+            self.upstreams[name] = Upstream(url, connect_timeout_s=self.settings.upstream_connect_timeout_s,
+                                            read_timeout_s=self.settings.upstream_read_timeout_s)
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0,
                                              ttl_dns_cache=300)
             self.sessions[name] = aiohttp.ClientSession(
@@ -277,6 +300,9 @@ class SidecarApp:
         if self.scraper is not None:
             await self.scraper.stop()
         sessions, self.sessions = self.sessions, {}
+        upstreams, self.upstreams = self.upstreams, {}
+        for upstream in upstreams.values():
+            await upstream.close()
         for session in sessions.values():
             await session.close()
 
@@ -331,7 +357,7 @@ class SidecarApp:
         if body is None:
             return
         route_header = labels_header = request_id = None
-        headers: list[tuple[str, str]] = []
+        headers: Headers = []
         for name, value in scope["headers"]:
             if name in _API_DROP:
                 continue
@@ -344,7 +370,7 @@ class SidecarApp:
             if name == _H_REQUEST_ID:
                 request_id = value.decode("latin-1").strip()
                 continue
-            headers.append((name.decode("latin-1"), value.decode("latin-1")))
+            headers.append((name, value))
         try:
             data = _loads(body)
         except ValueError:
@@ -360,16 +386,15 @@ class SidecarApp:
             return
         if not request_id:
             request_id = os.urandom(16).hex()  # uuid4().hex's format (32 hex digits) at a quarter of its cost
-        headers.append(("X-Request-Id", request_id))
-        headers.append(("Accept-Encoding", "identity"))
+        headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
+        headers.append((b"accept-encoding", b"identity"))
         call = _Call(t0, wall, request_id, scope["path"])
-        query = scope.get("query_string") or b""
         batch_size = self.batch.admit()
         try:
             call.shape = classify(data, path=call.path, route_header=route_header, labels_header=labels_header,
                                   routes=self.routes, batch_size=batch_size, request_id=request_id,
                                   arrival_time=wall)
-            await self._serve(call, bundle, data, body, headers, query, receive, send)
+            await self._serve(call, bundle, data, body, headers, scope, receive, send)
         finally:
             self.batch.release()
             call.t_end = time.perf_counter()
@@ -377,7 +402,7 @@ class SidecarApp:
                 asyncio.get_running_loop().call_soon(self._finish, call)
 
     async def _serve(self, call: _Call, bundle: CompiledBundle, data: dict[str, Any], body: bytes,
-                     headers: list[tuple[str, str]], query: bytes, receive: Receive, send: Send) -> None:
+                     headers: Headers, scope: Scope, receive: Receive, send: Send) -> None:
         shape = call.shape
         decision = bundle.decide(shape)
         policy = bundle.active if bundle.canary is None else bundle.policy_for(call.request_id)
@@ -386,15 +411,15 @@ class SidecarApp:
         call.canary = policy is bundle.canary
         call.decided = True
         fallback = policy.fallback_engine
-        sessions = self.sessions
+        upstreams = self.upstreams
         engine = decision.engine
-        if engine not in sessions:
+        if engine not in upstreams:
             call.fallback = True
             call.fallback_reason = "engine_not_configured"
             self.metrics.fallback("engine_not_configured")
             engine = fallback
         call.engine = engine
-        if engine not in sessions:
+        if engine not in upstreams:
             call.status = "error"
             call.http_status = 502
             await _problem(send, 502, "engine-not-configured", "Engine not configured",
@@ -413,12 +438,13 @@ class SidecarApp:
             call.schema = output_schema(data)
             if call.schema is not None and shape.stream:
                 call.parts = []
+        query = scope.get("query_string") or b""
         # a disconnect of the client cancels this task, and with it the upstream request
-        watcher = call.watch(receive)
+        watcher = call.watch(scope, receive)
         try:
             while True:
                 retryable = (not call.retries and decision.speculate and engine != fallback
-                             and fallback in sessions)
+                             and fallback in upstreams)
                 reason = await self._attempt(call, engine, body, headers, query, send, retryable)
                 if reason is None:
                     break
@@ -447,15 +473,6 @@ class SidecarApp:
         finally:
             call.unwatch(watcher)
 
-    def _url(self, engine: str, path: str, query: bytes) -> URL:
-        if query:
-            return URL(self.engines[engine] + path + "?" + query.decode("latin-1"), encoded=True)
-        key = (engine, path)
-        url = self._urls.get(key)
-        if url is None:
-            url = self._urls[key] = URL(self.engines[engine] + path, encoded=True)
-        return url
-
     def _our_headers(self, call: _Call) -> list[tuple[bytes, bytes]]:
         """X-Request-Id, X-Specgate-Decision (prebuilt per decision) and, after a fallback, X-Specgate-Fallback."""
         decision = call.decision
@@ -469,27 +486,28 @@ class SidecarApp:
             out.append((_H_FALLBACK, f"engine={call.engine}; reason={call.fallback_reason}".encode()))
         return out
 
-    async def _attempt(self, call: _Call, engine: str, body: bytes, headers: list[tuple[str, str]],
+    async def _attempt(self, call: _Call, engine: str, body: bytes, headers: Headers,
                        query: bytes, send: Send, retryable: bool) -> str | None:
         """One upstream try. Returns a failure reason if it failed with nothing sent to the client."""
+        target = call.path.encode() if not query else call.path.encode() + b"?" + query
         try:
-            resp = await self.sessions[engine].post(self._url(engine, call.path, query), data=body,
-                                                    headers=headers, allow_redirects=False)
-        except _UPSTREAM_ERRORS as exc:
-            return _failure_reason(exc)
+            resp = await self.upstreams[engine].request(b"POST", target, headers, body)
+        except UpstreamError as exc:
+            return exc.reason
         complete = False
         try:
             status = resp.status
             if status >= 500 and retryable:
                 return f"upstream_{status}"
-            if call.stream and status == 200 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            if call.stream and status == 200 and (resp.header(b"content-type") or b"").startswith(
+                    b"text/event-stream"):
                 reason = await self._relay_stream(call, resp, send)
                 complete = reason is None
                 return reason
             try:
                 raw = await resp.read()
-            except _UPSTREAM_ERRORS as exc:
-                return _failure_reason(exc)
+            except UpstreamError as exc:
+                return exc.reason
             complete = True
             await self._deliver(call, resp, raw, send)
             return None
@@ -499,12 +517,12 @@ class SidecarApp:
             else:
                 resp.close()
 
-    def _relay_headers(self, resp: aiohttp.ClientResponse, call: _Call) -> list[tuple[bytes, bytes]]:
-        out = [(name.lower(), value) for name, value in resp.raw_headers if name.lower() not in _RESP_DROP]
+    def _relay_headers(self, resp: Response, call: _Call) -> list[tuple[bytes, bytes]]:
+        out = [(name, value) for name, value in resp.headers if name not in _RESP_DROP]
         out.extend(self._our_headers(call))
         return out
 
-    async def _deliver(self, call: _Call, resp: aiohttp.ClientResponse, raw: bytes, send: Send) -> None:
+    async def _deliver(self, call: _Call, resp: Response, raw: bytes, send: Send) -> None:
         """A whole (non-stream) answer: read engine numbers, strip ``metrics``, send."""
         status = resp.status
         call.http_status = status
@@ -532,13 +550,12 @@ class SidecarApp:
         await send({"type": _START, "status": status, "headers": headers})
         await send({"type": _BODY, "body": raw})
 
-    async def _relay_stream(self, call: _Call, resp: aiohttp.ClientResponse, send: Send) -> str | None:
+    async def _relay_stream(self, call: _Call, resp: Response, send: Send) -> str | None:
         """Relays SSE events as they arrive (whole events only, never the whole stream)."""
-        content = resp.content
         pending = b""
         try:
             while True:
-                data = await content.readany()
+                data = await resp.next_chunk()
                 if not data:
                     break
                 if pending:
@@ -560,9 +577,9 @@ class SidecarApp:
                     await send({"type": _START, "status": resp.status, "headers": self._relay_headers(resp, call)})
                 if out:
                     await send({"type": _BODY, "body": out, "more_body": True})
-        except _UPSTREAM_ERRORS as exc:
+        except UpstreamError as exc:
             if not call.started:
-                return _failure_reason(exc)
+                return exc.reason
             # after the first byte there is no retry: tell the client in the stream, then end it
             self.metrics.upstream_error(call.engine)
             call.status = "upstream_error"
@@ -804,7 +821,7 @@ class SidecarApp:
                            f"engine {engine!r} failed before answering ({_failure_reason(exc)})")
             return
         watched = _Watched()
-        watcher = watched.watch(receive)
+        watcher = watched.watch(scope, receive)
         try:
             out = [(name.lower(), value) for name, value in resp.raw_headers
                    if name.lower() not in _RESP_DROP or name.lower() in (b"content-length", b"x-request-id")]

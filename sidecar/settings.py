@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -35,6 +36,19 @@ class SidecarSettings(BaseSettings):
     # Keep vLLM's per-request ``metrics`` object in answers (it is stripped by default, as if the engines ran
     # without the per-request metrics flags): for debugging and for tests that compare telemetry with the engine.
     expose_engine_metrics: bool = False
+
+    @field_validator("engines")
+    @classmethod
+    def _engine_urls(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, url in value.items():
+            parts = urlsplit(url)
+            try:
+                parts.port  # noqa: B018 - raises on a port that is not a number in range
+            except ValueError:
+                parts = parts._replace(scheme="")
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+                raise ValueError(f"engine {name!r}: the URL must be http(s)://HOST[:PORT][/PREFIX], got {url!r}")
+        return value
 
     @field_validator("listen")
     @classmethod

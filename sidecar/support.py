@@ -1,4 +1,4 @@
-"""Small pieces the sidecar's background loops share: backoff with jitter, durable file writes."""
+"""Small pieces the sidecar shares: backoff with jitter, durable file writes, waking a waiter."""
 
 from __future__ import annotations
 
@@ -82,3 +82,9 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     except TimeoutError:
         return event.is_set()
     return True
+
+
+def wake(waiter: asyncio.Future[None] | None) -> None:
+    """Resolves a waiter that may already be gone or done (a cancelled reader's, say)."""
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)

@@ -343,7 +343,12 @@ def test_the_control_plane_stops_mid_load_the_sidecar_serves_on_and_every_event_
     for a in answers:
         assert_header_matches_row(a, rows[a.request_id])
     late = [rows[a.request_id] for a in during]
-    assert all(as_timestamp(r["received_at"]) >= up - 0.5 for r in late)  # they had waited in the spool
+    # They had waited in the spool: received once the control plane was started again. `restart` is the bound,
+    # not `up`: `up` is read after the test's own health poll answered, which on loaded cores came later than
+    # the sidecar's first retry (a CI run on 2 busy cores failed an `up - 0.5` bound that way).
+    early = [(r["request_id"], round(as_timestamp(r["received_at"]) - restart, 3)) for r in late
+             if as_timestamp(r["received_at"]) < restart]
+    assert not early, early
     assert prom_sum(stack.sidecar.metrics(), "specgate_sidecar_telemetry_queue_depth") == 0
     print(f"\n{len(answers)} requests, {len(during)} while the control plane was down for {up - down:.1f} s "
           f"(stopping {stopped - down:.1f} s, starting {up - restart:.1f} s) "

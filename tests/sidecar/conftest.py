@@ -1,4 +1,4 @@
-"""The sidecar harness: fake engines and real sidecars (uvicorn, uvloop, httptools) on a background loop."""
+"""The sidecar harness: fake engines and real sidecars (sidecar.server, or uvicorn; uvloop) on a background loop."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import uvloop
 import policies
 from sidecar.events import TelemetryEvent
 from sidecar.proxy import SidecarApp, build_app
+from sidecar.server import HttpServer
 from sidecar.settings import SidecarSettings
 from tests.sidecar.fake_upstream import FakeEngine
 
@@ -78,7 +79,7 @@ class RecordingExporter:
 
 class Sidecar:
     def __init__(self, loop: LoopThread, app: SidecarApp, store: policies.PolicyStore,
-                 exporter: RecordingExporter, hooked: list[TelemetryEvent]) -> None:
+                 exporter: RecordingExporter, hooked: list[TelemetryEvent], server: str = "specgate") -> None:
         self.loop = loop
         self.app = app
         self.store = store
@@ -88,15 +89,28 @@ class Sidecar:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, lifespan="on", http="httptools", access_log=False, log_level="critical")
-        self.server = uvicorn.Server(config)
-        self.future = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[sock]), loop.loop)
-        wait_for(lambda: self.server.started or self.future.done())
-        assert self.server.started
+        self.server_kind = server
+        if server == "uvicorn":  # the app is plain ASGI: it must also work without sidecar.server's extension
+            config = uvicorn.Config(app, lifespan="on", http="httptools", access_log=False, log_level="critical")
+            self.uvicorn = uvicorn.Server(config)
+            self.future = asyncio.run_coroutine_threadsafe(self.uvicorn.serve(sockets=[sock]), loop.loop)
+            wait_for(lambda: self.uvicorn.started or self.future.done())
+            assert self.uvicorn.started
+        else:
+            async def start() -> HttpServer:
+                server = HttpServer(app)
+                sock.listen(128)
+                await server.start(sock=sock)
+                return server
+
+            self.server = loop.run(start())
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.future.result(10)
+        if self.server_kind == "uvicorn":
+            self.uvicorn.should_exit = True
+            self.future.result(10)
+        else:
+            self.loop.run(self.server.shutdown(5.0))
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +151,7 @@ def make_sidecar(loop_thread: LoopThread, draft: FakeEngine, base: FakeEngine) -
 
     def make(*, engines: dict[str, str] | None = None, bundle: policies.CompiledBundle | str | None = "seed",
              on_event: Callable[[TelemetryEvent], None] | None = None, expose_engine_metrics: bool = False,
-             **settings: Any) -> Sidecar:
+             server: str = "specgate", **settings: Any) -> Sidecar:
         values: dict[str, Any] = {"worker_id": "w1", "pool": "gpu-a", "engine_metrics_s": 60.0,
                                   "engines": {"draft": draft.url, "base": base.url} if engines is None else engines}
         values.update(settings)
@@ -152,7 +166,7 @@ def make_sidecar(loop_thread: LoopThread, draft: FakeEngine, base: FakeEngine) -
 
         app = build_app(SidecarSettings(**values), store, exporter, on_event=hook,
                         expose_engine_metrics=expose_engine_metrics)
-        sidecar = Sidecar(loop_thread, app, store, exporter, hooked)
+        sidecar = Sidecar(loop_thread, app, store, exporter, hooked, server)
         started.append(sidecar)
         return sidecar
 

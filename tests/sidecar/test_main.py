@@ -74,6 +74,8 @@ def test_the_command_builds_settings_from_options_over_the_environment(
 @pytest.mark.parametrize(("args", "message"), [
     (["--engine", "base"], "--engine must be NAME=URL"),
     (["--engine", "base=http://e:1", "--listen", "nowhere"], "listen"),
+    (["--engine", "base=e:8000", "--key", "k"], "engine 'base': the URL must be http(s)://"),
+    (["--engine", "draft=http://e:99999", "--key", "k"], "engine 'draft'"),
     (["--engine", "base=http://e:1", "--key", ""], "no worker key"),
     (["--key", "k"], "no engines"),
 ])

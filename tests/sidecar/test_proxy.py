@@ -398,11 +398,17 @@ def test_mid_stream_break_is_not_retried(make_sidecar: SidecarFactory, draft: Fa
 
 # --- client disconnects ------------------------------------------------------------------------------
 
+# The sidecar's own server tells the app of a disconnect by a callback; under any other ASGI server (uvicorn
+# here) the app learns it from receive(). Both must cancel the engine's request.
+SERVERS = pytest.mark.parametrize("server", ["specgate", "uvicorn"])
+
+
+@SERVERS
 def test_client_disconnect_mid_stream_cancels_the_upstream(make_sidecar: SidecarFactory,
-                                                           draft: FakeEngine) -> None:
+                                                           draft: FakeEngine, server: str) -> None:
     draft.tokens = 50
     draft.token_delay = 0.05
-    sidecar = make_sidecar()
+    sidecar = make_sidecar(server=server)
     with httpx.stream("POST", sidecar.url + CHAT, json=body(stream=True),
                       headers={"X-Specgate-Route": "chat", "X-Request-Id": "gone-1"}) as response:
         for chunk in response.iter_raw():
@@ -415,10 +421,11 @@ def test_client_disconnect_mid_stream_cancels_the_upstream(make_sidecar: Sidecar
     assert sidecar.app.inflight.count == 0
 
 
+@SERVERS
 def test_client_disconnect_while_waiting_for_a_json_answer(make_sidecar: SidecarFactory,
-                                                           draft: FakeEngine) -> None:
+                                                           draft: FakeEngine, server: str) -> None:
     draft.first_byte_delay = 5.0
-    sidecar = make_sidecar()
+    sidecar = make_sidecar(server=server)
     with pytest.raises(httpx.ReadTimeout):
         post(sidecar, headers={"X-Request-Id": "gone-2"}, timeout=0.3)
     wait_for(lambda: "gone-2" in draft.disconnects, timeout=3)

@@ -1,0 +1,362 @@
+"""The sidecar's HTTP/1.1 client to its engines: keep-alive connections on asyncio protocols, parsed by httptools.
+
+Why not aiohttp here: on the OpenAI request path its client cost about 40 % of
+the sidecar's CPU per request (BENCHMARKS.md, "Sidecar proxy overhead"), for
+features the path never uses (redirects, cookies, decompression, proxies,
+multipart, tracing hooks). This client does what the path needs and nothing
+else: one request at a time per connection, no pipelining, a pool of idle
+keep-alive connections per engine, whole bodies or bodies chunk by chunk, the
+response headers as raw bytes. It is used for the OpenAI ``POST`` requests
+only; pass-through requests (any method, redirects left to the client, ``HEAD``)
+keep aiohttp.
+
+Failures are :class:`UpstreamError` with a ``reason`` the telemetry records:
+``connect_error`` (refused, unreachable), ``connect_timeout``, ``read_timeout``
+(no byte for ``read_timeout_s``; checked about once a second, so it fires up to
+a second late) and ``upstream_disconnected`` (closed early, or not HTTP).
+
+A connection goes back to the pool only when its response was read to the end
+and the engine allows keep-alive; anything else closes it, so the engine sees
+the client go away (vLLM aborts a generation whose connection closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections import deque
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from sidecar.support import wake
+
+Headers = list[tuple[bytes, bytes]]
+
+# A streaming reader that falls this far behind stops reading from the engine until it catches up.
+_HIGH_WATER = 1 << 20
+_IDLE_KEEPALIVE_S = 60.0
+
+
+class UpstreamError(Exception):
+    """The engine could not be reached, or failed before its response was complete."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; httptools calls its ``on_*`` methods while it parses a response."""
+
+    __slots__ = ("pool", "transport", "parser", "response", "closed", "last_io", "paused")
+
+    def __init__(self, pool: Upstream) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser: Any = None
+        self.response: Response | None = None
+        self.closed = False
+        self.last_io = 0.0
+        self.paused = False
+
+    # asyncio's side
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:  # nothing asked: an engine talking out of turn cannot be trusted with the next one
+            self.abort()
+            return
+        self.last_io = self.pool.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.abort()
+            response._fail(UpstreamError("upstream_disconnected", f"not HTTP: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        response = self.response
+        if response is not None and not response.complete:
+            response._fail(UpstreamError("upstream_disconnected", "the engine closed the connection"))
+
+    def pause_writing(self) -> None:  # request bodies are small; the kernel buffer absorbs them
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # httptools' side
+    def on_header(self, name: bytes, value: bytes) -> None:
+        response = self.response
+        if response is not None:
+            response.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        if response is not None:
+            response.status = self.parser.get_status_code()
+            response._headers_done()
+
+    def on_body(self, body: bytes) -> None:
+        response = self.response
+        if response is not None:
+            response._body(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        if response is not None:
+            response.keep_alive = self.parser.should_keep_alive()
+            response._complete()
+
+    # the pool's side
+    def send(self, response: Response, data: bytes) -> None:
+        self.response = response
+        if self.parser is None:  # one parser per connection: llhttp starts over after each complete message
+            self.parser = httptools.HttpResponseParser(self)
+        self.last_io = self.pool.loop.time()
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+            self.transport = None
+
+
+class Response:
+    """An engine's response: ``status`` and ``headers`` (lower-case names) once :meth:`Upstream.request` returns.
+
+    Read the body with :meth:`read` (whole) or :meth:`next_chunk` (as it arrives), then call :meth:`release`;
+    :meth:`close` instead drops the connection (the engine sees the client go away).
+    """
+
+    __slots__ = ("conn", "status", "headers", "chunks", "buffered", "complete", "keep_alive", "error", "waiter",
+                 "headers_ready", "done", "whole")
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self.status = 0
+        self.headers: Headers = []
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.complete = False
+        self.keep_alive = False
+        self.error: UpstreamError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.headers_ready = False
+        self.done = False
+        self.whole = False
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    # --- fed by the connection ---------------------------------------------------------
+    def _wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        wake(waiter)
+
+    def _headers_done(self) -> None:
+        self.headers_ready = True
+        self._wake()
+
+    def _body(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.buffered += len(data)
+        conn = self.conn
+        if self.buffered > _HIGH_WATER and not self.whole and not conn.paused and conn.transport is not None:
+            conn.paused = True
+            conn.transport.pause_reading()
+        self._wake()
+
+    def _complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self._wake()
+
+    async def _wait(self) -> None:
+        if self.error is not None:
+            self.close()
+            raise self.error
+        waiter = self.waiter = self.conn.pool.loop.create_future()
+        try:
+            await waiter
+        except BaseException:  # cancelled (the client went away): the engine must see it too
+            self.close()
+            raise
+
+    def _take(self) -> bytes:
+        chunks = self.chunks
+        self.chunks = []
+        self.buffered = 0
+        if self.conn.paused:
+            self._resume()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _resume(self) -> None:
+        self.conn.paused = False
+        if self.conn.transport is not None:
+            self.conn.transport.resume_reading()
+
+    # --- read by the request path -----------------------------------------------------
+    async def read(self) -> bytes:
+        """The whole body (raises :class:`UpstreamError` if the engine fails before its end)."""
+        self.whole = True  # no pausing at the high-water mark: nobody would read until the end
+        if self.conn.paused:
+            self._resume()
+        while not self.complete:
+            await self._wait()
+        return self._take()
+
+    async def next_chunk(self) -> bytes:
+        """What arrived since the last call (waits for something); ``b""`` once the body is complete."""
+        while not self.chunks:
+            if self.complete:
+                return b""
+            await self._wait()
+        return self._take()
+
+    def release(self) -> None:
+        """Done with this response: its connection goes back to the pool if it may be reused."""
+        if self.done:
+            return
+        self.done = True
+        conn = self.conn
+        conn.response = None
+        if self.complete and self.keep_alive and not conn.closed and not self.chunks:
+            conn.pool._put(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        """Done with this response, unread or not: its connection is closed."""
+        if self.done:
+            return
+        self.done = True
+        self.conn.response = None
+        self.conn.abort()
+
+
+class Upstream:
+    """Keep-alive connections to one engine's ``http(s)://host:port`` (opened when needed, kept while in use)."""
+
+    def __init__(self, base_url: str, *, connect_timeout_s: float, read_timeout_s: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL must be http://HOST[:PORT][/PREFIX] (or https://), got {base_url!r}")
+        self.host = parts.hostname
+        self.tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self.port = parts.port or (443 if self.tls else 80)
+        self.prefix = parts.path.rstrip("/").encode()
+        netloc = parts.netloc.rpartition("@")[2]
+        self.host_header = netloc.encode("idna") if not netloc.isascii() else netloc.encode()
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.idle: deque[tuple[float, _Connection]] = deque()
+        self.busy: set[_Connection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    async def request(self, method: bytes, target: bytes, headers: Headers, body: bytes) -> Response:
+        """Sends one request; returns once the response's status and headers are in.
+
+        ``target`` is the path and query (the engine URL's own path is put before it); ``headers`` must not
+        hold Host, Content-Length, Connection or Transfer-Encoding, which this client writes.
+        """
+        if self._closed:
+            raise UpstreamError("connect_error", "the client is closed")
+        conn = self._take_idle()
+        if conn is None:
+            conn = await self._connect()
+        self.busy.add(conn)
+        if self._sweeper is None:
+            self._arm_sweeper()
+        response = Response(conn)
+        parts = [method, b" ", self.prefix, target, b" HTTP/1.1\r\nhost: ", self.host_header,
+                 b"\r\ncontent-length: %d\r\n" % len(body)]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"\r\n", body)
+        conn.send(response, b"".join(parts))
+        while not response.headers_ready:
+            await response._wait()
+        return response
+
+    def _take_idle(self) -> _Connection | None:
+        idle = self.idle
+        while idle:
+            _, conn = idle.pop()  # the most recently used: the likeliest still open, and warm
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self) -> _Connection:
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.tls),
+                self.connect_timeout_s)
+        except TimeoutError as exc:
+            raise UpstreamError("connect_timeout", f"no connection to {self.host}:{self.port} "
+                                f"within {self.connect_timeout_s} s") from exc
+        except OSError as exc:
+            raise UpstreamError("connect_error", f"{self.host}:{self.port}: {exc.strerror or exc}") from exc
+        return conn
+
+    def _put(self, conn: _Connection) -> None:
+        self.busy.discard(conn)
+        if self._closed:
+            conn.abort()
+            return
+        self.idle.append((self.loop.time(), conn))
+
+    def _arm_sweeper(self) -> None:
+        self._sweeper = self.loop.call_later(min(1.0, self.read_timeout_s / 4), self._sweep)
+
+    def _sweep(self) -> None:
+        """Read timeouts of busy connections, idle connections past their keep-alive; re-arms while any exist."""
+        self._sweeper = None
+        now = self.loop.time()
+        for conn in list(self.busy):
+            response = conn.response
+            if conn.closed or response is None:
+                self.busy.discard(conn)
+            elif not response.complete and not conn.paused and now - conn.last_io > self.read_timeout_s:
+                self.busy.discard(conn)
+                conn.abort()
+                response._fail(UpstreamError("read_timeout", f"no data from the engine for {self.read_timeout_s} s"))
+        idle = self.idle
+        while idle and (idle[0][1].closed or now - idle[0][0] > _IDLE_KEEPALIVE_S):
+            idle.popleft()[1].abort()
+        if (self.busy or idle) and not self._closed:
+            self._arm_sweeper()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        while self.idle:
+            self.idle.pop()[1].abort()
+        for conn in list(self.busy):
+            conn.abort()
+        self.busy.clear()
+
+
+__all__ = ["Response", "Upstream", "UpstreamError"]
