@@ -142,8 +142,7 @@ class _Cycle:
                 data = body
             self.head = b""
             conn = self.conn
-            if not self.disconnected and data:
-                assert conn.transport is not None
+            if data and not self.disconnected and conn.transport is not None:
                 conn.transport.write(data)
             if not more:
                 self.complete = True

@@ -71,7 +71,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         response = self.response
-        if response is None:  # nothing asked: an engine talking out of turn cannot be trusted with the next one
+        if response is None or response.complete:
+            # bytes nobody asked for: an engine talking out of turn cannot be trusted with the next request
             self.abort()
             return
         self.last_io = self.pool.loop.time()
@@ -88,7 +89,9 @@ class _Connection(asyncio.Protocol):
         if response is not None and not response.complete:
             response._fail(UpstreamError("upstream_disconnected", "the engine closed the connection"))
 
-    def pause_writing(self) -> None:  # request bodies are small; the kernel buffer absorbs them
+    def pause_writing(self) -> None:
+        # The request is one bytes object already in memory; what the socket cannot take yet waits in the
+        # transport's buffer, which grows by at most that one request.
         pass
 
     def resume_writing(self) -> None:
@@ -123,7 +126,9 @@ class _Connection(asyncio.Protocol):
         if self.parser is None:  # one parser per connection: llhttp starts over after each complete message
             self.parser = httptools.HttpResponseParser(self)
         self.last_io = self.pool.loop.time()
-        assert self.transport is not None
+        if self.transport is None:  # lost between the pool and here
+            response._fail(UpstreamError("upstream_disconnected", "the engine closed the connection"))
+            return
         self.transport.write(data)
 
     def abort(self) -> None:
