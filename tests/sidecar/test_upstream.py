@@ -166,6 +166,31 @@ def test_a_connection_the_engine_will_close_is_not_reused(extra: bytes | None) -
     run(scenario())
 
 
+def test_bytes_after_a_complete_response_keep_that_connection_out_of_the_pool() -> None:
+    async def scenario() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                await server.read_request(reader)
+                writer.write(ok(b"{}"))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")  # nobody asked for it
+                await writer.drain()
+
+        async with RawServer(handler) as server:
+            upstream = client(server.url)
+            for _ in range(2):
+                response = await upstream.request(b"POST", b"/x", [], b"")
+                assert await response.read() == b"{}"
+                await asyncio.sleep(0.15)  # the stray answer arrives while the response is still held
+                response.release()
+                assert not upstream.idle
+            await upstream.close()
+        assert server.connections == 2
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("when", ["before-headers", "mid-body"])
 def test_the_engine_closing_early_is_upstream_disconnected(when: str) -> None:
     async def scenario() -> None:
