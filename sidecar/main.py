@@ -104,9 +104,10 @@ async def serve(settings: SidecarSettings, *, app_factory: AppFactory | None = N
         _freeze_startup_objects()
         with _signals_set(stop):
             await stop.wait()
-        # stop accepting, let the requests in flight finish, then the sync stops and the exporter flushes
-        await server.shutdown(shutdown_timeout_s)
     finally:
+        # also when cancelled: stop accepting, let the requests in flight finish, then the sync stops and the
+        # exporter flushes
+        await server.shutdown(shutdown_timeout_s)
         await sidecar.stop()
 
 
@@ -125,7 +126,7 @@ def _freeze_startup_objects() -> None:
 
 @contextlib.contextmanager
 def _signals_set(stop: asyncio.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set ``stop`` (only in the main thread; elsewhere the caller sets it)."""
+    """SIGTERM and SIGINT set ``stop``; only in the main thread (elsewhere the sidecar serves until cancelled)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -126,6 +126,51 @@ def test_the_sidecar_object_wires_store_sync_exporter_and_hook(tmp_path: Path) -
     assert built["on_event"] is None
 
 
+def test_serve_cancelled_still_finishes_the_request_in_flight_and_stops_listening(tmp_path: Path) -> None:
+    """Not every host sends a signal (an embedding program cancels the task): the shutdown must run anyway."""
+    events: list[str] = []
+
+    def slow_app(settings: SidecarSettings, store: PolicyStore, exporter: TelemetryExporter, *,
+                 on_event: Any = None) -> Any:
+        class App:
+            async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+                await receive()
+                await asyncio.sleep(0.3)
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+                await send({"type": "http.response.body", "body": b"ok"})
+
+            async def shutdown(self) -> None:
+                events.append("app shut down")
+
+        return App()
+
+    port = free_port()
+    settings = SidecarSettings(listen=f"127.0.0.1:{port}", state_dir=tmp_path, engines={"base": "http://127.0.0.1:9"},
+                               control_plane=f"http://127.0.0.1:{free_port()}", key="sgk_test")
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(sidecar.main.serve(settings, app_factory=slow_app, shutdown_timeout_s=5))
+        for _ in range(200):
+            try:
+                _, probe = await asyncio.open_connection("127.0.0.1", port)
+                probe.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.02)
+        async with httpx.AsyncClient() as client:
+            answer = asyncio.ensure_future(client.get(f"http://127.0.0.1:{port}/x", timeout=5))
+            await asyncio.sleep(0.1)
+            serving.cancel()
+            assert (await answer).text == "ok"  # answered although the server was told to stop
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        assert events == ["app shut down"]
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+
+    asyncio.run(scenario())
+
+
 def test_a_real_sidecar_serves_reports_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
     from controlplane.migrations_state import upgrade
     from tests.controlplane.factories import seed_policy
