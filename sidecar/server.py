@@ -90,7 +90,7 @@ def _problem(status: int, slug: str, title: str, detail: str) -> bytes:
 class _Cycle:
     """One request and its response; also its ``specgate.disconnect`` extension (``on_disconnect``)."""
 
-    __slots__ = ("conn", "scope", "body", "keep_alive", "head_only", "task", "started", "complete", "chunked",
+    __slots__ = ("conn", "scope", "body", "keep_alive", "head_only", "started", "complete", "chunked",
                  "disconnected", "body_read", "waiter", "head", "on_disconnect")
 
     def __init__(self, conn: _Connection, scope: Scope, body: bytes, keep_alive: bool) -> None:
@@ -99,7 +99,6 @@ class _Cycle:
         self.body = body
         self.keep_alive = keep_alive
         self.head_only = scope["method"] == "HEAD"
-        self.task: asyncio.Task[None] | None = None
         self.started = False
         self.complete = False
         self.chunked = False
@@ -330,7 +329,7 @@ class _Connection(asyncio.Protocol):
     # --- running the app ----------------------------------------------------------------
     def run(self, cycle: _Cycle) -> None:
         self.cycle = cycle
-        cycle.task = task = self.loop.create_task(self.server.run_app(cycle))
+        task = self.loop.create_task(self.server.run_app(cycle))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 
@@ -381,7 +380,6 @@ class HttpServer:
         self.stopping = False
         self.listener: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
-        self.started = False
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> None:
         startup = getattr(self.app, "startup", None)
@@ -393,7 +391,6 @@ class HttpServer:
             self.listener = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=2048,
                                                           reuse_address=True)
         self._sweeper = self.loop.call_later(1.0, self._sweep)
-        self.started = True
 
     @property
     def port(self) -> int:
@@ -403,33 +400,25 @@ class HttpServer:
         return int(sockets[0].getsockname()[1])
 
     async def run_app(self, cycle: _Cycle) -> None:
-        conn = cycle.conn
+        failure = b""
         try:
             await self.app(cycle.scope, cycle.receive, cycle.send)
         except asyncio.CancelledError:
             if not self.stopping and not cycle.disconnected:
                 raise
-            if not cycle.started and not cycle.disconnected and conn.transport is not None:
-                # cancelled by shutdown() after its grace period
-                cycle.started = cycle.complete = True
-                conn.transport.write(_problem(503, "shutting-down", "Shutting down",
-                                              "the sidecar stopped before this request was answered"))
-                conn.transport.close()
-                conn.finished(cycle)
-                return
+            # cancelled by shutdown() after its grace period (or after the client left: then nobody reads it)
+            failure = _problem(503, "shutting-down", "Shutting down",
+                               "the sidecar stopped before this request was answered")
         except Exception:
             log.exception("the app failed on %s %s", cycle.scope["method"], cycle.scope["path"])
-            if not cycle.started and not cycle.disconnected and conn.transport is not None:
-                cycle.started = cycle.complete = True
-                conn.transport.write(_problem(500, "internal", "Internal error", "the sidecar failed on this request"))
-                conn.transport.close()
-                conn.finished(cycle)
-                return
+            failure = _problem(500, "internal", "Internal error", "the sidecar failed on this request")
         if not cycle.complete:  # the app ended without ending its response: the client must not wait for more
             cycle.complete = True
+            conn = cycle.conn
             if conn.transport is not None:
                 if not cycle.started and not cycle.disconnected:
-                    conn.transport.write(_problem(500, "internal", "Internal error", "no response was produced"))
+                    conn.transport.write(failure or _problem(500, "internal", "Internal error",
+                                                             "no response was produced"))
                 conn.transport.close()
             conn.finished(cycle)
 

@@ -51,14 +51,13 @@ class UpstreamError(Exception):
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; httptools calls its ``on_*`` methods while it parses a response."""
 
-    __slots__ = ("pool", "transport", "parser", "response", "closed", "last_io", "paused")
+    __slots__ = ("pool", "transport", "parser", "response", "last_io", "paused")
 
     def __init__(self, pool: Upstream) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser: Any = None
         self.response: Response | None = None
-        self.closed = False
         self.last_io = 0.0
         self.paused = False
 
@@ -83,8 +82,7 @@ class _Connection(asyncio.Protocol):
             response._fail(UpstreamError("upstream_disconnected", f"not HTTP: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.transport = None
+        self.transport = None  # None from here on: closed
         response = self.response
         if response is not None and not response.complete:
             response._fail(UpstreamError("upstream_disconnected", "the engine closed the connection"))
@@ -132,7 +130,6 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
 
     def abort(self) -> None:
-        self.closed = True
         if self.transport is not None:
             self.transport.abort()
             self.transport = None
@@ -238,16 +235,14 @@ class Response:
         return self._take()
 
     def release(self) -> None:
-        """Done with this response: its connection goes back to the pool if it may be reused."""
-        if self.done:
+        """Done with this response: its connection goes back to the pool if it may be reused, else is closed."""
+        conn = self.conn
+        if self.done or not (self.complete and self.keep_alive and conn.transport is not None and not self.chunks):
+            self.close()
             return
         self.done = True
-        conn = self.conn
         conn.response = None
-        if self.complete and self.keep_alive and not conn.closed and not self.chunks:
-            conn.pool._put(conn)
-        else:
-            conn.abort()
+        conn.pool._put(conn)
 
     def close(self) -> None:
         """Done with this response, unread or not: its connection is closed."""
@@ -308,7 +303,7 @@ class Upstream:
         idle = self.idle
         while idle:
             _, conn = idle.pop()  # the most recently used: the likeliest still open, and warm
-            if not conn.closed:
+            if conn.transport is not None:
                 return conn
         return None
 
@@ -340,14 +335,14 @@ class Upstream:
         now = self.loop.time()
         for conn in list(self.busy):
             response = conn.response
-            if conn.closed or response is None:
+            if conn.transport is None or response is None:
                 self.busy.discard(conn)
             elif not response.complete and not conn.paused and now - conn.last_io > self.read_timeout_s:
                 self.busy.discard(conn)
                 conn.abort()
                 response._fail(UpstreamError("read_timeout", f"no data from the engine for {self.read_timeout_s} s"))
         idle = self.idle
-        while idle and (idle[0][1].closed or now - idle[0][0] > _IDLE_KEEPALIVE_S):
+        while idle and (idle[0][1].transport is None or now - idle[0][0] > _IDLE_KEEPALIVE_S):
             idle.popleft()[1].abort()
         if (self.busy or idle) and not self._closed:
             self._arm_sweeper()
