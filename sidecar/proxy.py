@@ -438,14 +438,15 @@ class SidecarApp:
             call.schema = output_schema(data)
             if call.schema is not None and shape.stream:
                 call.parts = []
-        query = scope.get("query_string") or b""
+        query = scope.get("query_string")
+        target = call.path.encode() + b"?" + query if query else call.path.encode()  # one of API_PATHS: ASCII
         # a disconnect of the client cancels this task, and with it the upstream request
         watcher = call.watch(scope, receive)
         try:
             while True:
                 retryable = (not call.retries and decision.speculate and engine != fallback
                              and fallback in upstreams)
-                reason = await self._attempt(call, engine, body, headers, query, send, retryable)
+                reason = await self._attempt(call, engine, body, headers, target, send, retryable)
                 if reason is None:
                     break
                 self.metrics.upstream_error(engine)
@@ -487,9 +488,8 @@ class SidecarApp:
         return out
 
     async def _attempt(self, call: _Call, engine: str, body: bytes, headers: Headers,
-                       query: bytes, send: Send, retryable: bool) -> str | None:
+                       target: bytes, send: Send, retryable: bool) -> str | None:
         """One upstream try. Returns a failure reason if it failed with nothing sent to the client."""
-        target = call.path.encode() if not query else call.path.encode() + b"?" + query
         try:
             resp = await self.upstreams[engine].request(b"POST", target, headers, body)
         except UpstreamError as exc:

@@ -128,8 +128,8 @@ class FakeEngine:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         rid = request.headers.get("X-Request-Id", "")
-        self.requests.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()},
-                              "body": body})
+        self.requests.append({"path": request.path, "query": request.rel_url.raw_query_string,
+                              "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body})
         self.active += 1
         try:
             return await self._answer(request, body, rid)

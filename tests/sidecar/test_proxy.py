@@ -396,6 +396,18 @@ def test_mid_stream_break_is_not_retried(make_sidecar: SidecarFactory, draft: Fa
     assert (event.status, event.retries, event.fallback, event.engine) == ("upstream_error", 0, False, "draft")
 
 
+def test_an_api_request_reaches_the_engine_with_its_query_string_on_the_retry_too(
+        make_sidecar: SidecarFactory, draft: FakeEngine, base: FakeEngine) -> None:
+    draft.fail_status = 503
+    sidecar = make_sidecar()
+    response = httpx.post(sidecar.url + CHAT + "?api-version=2&x=%2F", json=body(),
+                          headers={"X-Specgate-Route": "chat"}, timeout=10)
+    assert response.status_code == 200
+    assert response.headers["x-specgate-fallback"] == "engine=base; reason=upstream_503"
+    assert [(r["path"], r["query"]) for r in draft.requests + base.requests] == [
+        (CHAT, "api-version=2&x=%2F"), (CHAT, "api-version=2&x=%2F")]
+
+
 # --- client disconnects ------------------------------------------------------------------------------
 
 # The sidecar's own server tells the app of a disconnect by a callback; under any other ASGI server (uvicorn
