@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# ruff, then the import contracts of pyproject.toml (the layers of docs/architecture.md).
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-logo
 
 typecheck: install
 	$(BIN)/mypy

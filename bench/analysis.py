@@ -42,16 +42,16 @@ from typing import Any
 
 from sqlalchemy import func, select, text
 
+from analysis.recommend import RecommendConfig
 from bench.ingest import DEFAULT_PG_ADMIN_URL, fresh_database, make_event
 from controlplane.analysis import service
-from controlplane.analysis.recommend import RecommendConfig
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.migrations_state import upgrade
 from controlplane.models import Policy, TelemetryEventRecord, TelemetryRollup, TelemetryRollupHistogram, utcnow
 from controlplane.telemetry.repository import RollupFilter
 from controlplane.telemetry.service import ParsedBatch, ingest
 from policies import canonical_document, canonical_json, canonical_yaml, load_policy, revision_id
-from sidecar.events import TelemetryEvent
+from wire.telemetry import TelemetryEvent
 
 GOAL_S = 1.0
 POLICY = """\

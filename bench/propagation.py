@@ -66,9 +66,10 @@ from sqlalchemy.engine import make_url
 
 from controlplane.auth.local import mint_keys
 from controlplane.auth.schemas import Scope
+from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.migrations_state import upgrade
+from controlplane.policy import service as policy_service
 from policies import BundlePayload, BundleVerifier, Revision, SigningKey, load_policy
-from tests.controlplane.factories import seed_policy, seed_text
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = "propagation"
@@ -180,6 +181,33 @@ def fresh_database(kind: str, postgres_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+POLICY_TEXT = """\
+apiVersion: specgate/v1
+name: {name}
+engines:
+  base: {{method: none}}
+  draft: {{method: draft_model, model: models/draft, num_speculative_tokens: 3}}
+rules:
+  - name: chat-low-batch
+    when: {{route: [chat], batch_size: {{max: {threshold}}}, structured_output: false}}
+    then: {{engine: draft}}
+default: {{engine: base}}
+"""
+
+
+def seed_policy(url: str, texts: Sequence[str]) -> list[str]:
+    """The policy with ``texts`` as its revisions, through the policy service: the first one active."""
+    engine = make_engine(url)
+    try:
+        with unit_of_work(make_sessionmaker(engine)) as session:
+            policy_service.create_policy(session, name=POLICY, description=None, pool=None, actor="bench:seed")
+            return [policy_service.create_revision(
+                session, policy_name=POLICY, submission=policy_service.Submission(text=text),
+                if_match=policy_service.parse_if_match("*"), actor="bench:seed").revision.id for text in texts]
+    finally:
+        engine.dispose()
+
+
 @dataclass
 class Fixture:
     """What the database holds before the server starts."""
@@ -193,8 +221,8 @@ class Fixture:
 
 def seed(url: str, extra_revisions: int = 1) -> Fixture:
     """Revision A (active) and ``extra_revisions`` drafts (B, then C, D, ... for --fresh), keys, ETags."""
-    texts = [seed_text(POLICY, threshold=4 + i) for i in range(1 + extra_revisions)]
-    _, revisions = seed_policy(url, texts[0], name=POLICY, extra_revisions=tuple(texts[1:]))
+    texts = [POLICY_TEXT.format(name=POLICY, threshold=4 + i) for i in range(1 + extra_revisions)]
+    revisions = seed_policy(url, texts)
     keys = mint_keys(url, {"bench-workers": Scope.worker, "bench-operator": Scope.operator}, created_by="bench")
     worker_token, operator_token = keys["bench-workers"], keys["bench-operator"]
     etags = {}

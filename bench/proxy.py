@@ -620,7 +620,7 @@ def _frame(frame: str) -> str:
 
 
 # Frames every sample of the main thread passes through (the command line, the runner): left out of "inclusive".
-_ROOT_FRAMES = ("typer/", "click/", "controlplane/cli.py", "sidecar/cli.py", "sidecar/main.py", "runners.py",
+_ROOT_FRAMES = ("typer/", "click/", "specgate/cli.py", "sidecar/cli.py", "sidecar/main.py", "runners.py",
                 "uvloop/__init__.py", "<module>", "threading.py")
 
 

@@ -222,7 +222,7 @@ class TelemetryBatchRecord(Base):
 
 
 class TelemetryEventRecord(Base):
-    """One request as the sidecar reported it: every field of ``sidecar.events.TelemetryEvent``."""
+    """One request as the sidecar reported it: every field of ``wire.telemetry.TelemetryEvent``."""
 
     __tablename__ = "telemetry_events"
     __table_args__ = (
@@ -287,7 +287,7 @@ class TelemetryRollup(Base):
 
     Ingest adds to these in the transaction that stores the raw events, so a
     rollup always equals the same aggregate over the raw events. Definitions
-    of every counter: ``controlplane.telemetry.rollup``.
+    of every counter: ``analysis.rollup``.
     """
 
     __tablename__ = "telemetry_rollups"
@@ -303,7 +303,7 @@ class TelemetryRollup(Base):
     revision: Mapped[str] = mapped_column(String(64))
     route: Mapped[str] = mapped_column(String(128))
     engine: Mapped[str] = mapped_column(String(63))
-    batch_bucket: Mapped[int] = mapped_column(Integer)  # controlplane.telemetry.buckets
+    batch_bucket: Mapped[int] = mapped_column(Integer)  # analysis.buckets
     explored: Mapped[bool] = mapped_column(Boolean)
     # counts and sums
     requests: Mapped[int] = mapped_column(BigInteger)
@@ -334,7 +334,7 @@ class TelemetryRollup(Base):
 
 
 class TelemetryRollupHistogram(Base):
-    """One latency bucket of one rollup row (``controlplane.telemetry.histogram``); merged by adding."""
+    """One latency bucket of one rollup row (``analysis.histogram``); merged by adding."""
 
     __tablename__ = "telemetry_rollup_histograms"
 
@@ -346,7 +346,7 @@ class TelemetryRollupHistogram(Base):
 
 
 class GuardrailEvaluation(Base):
-    """One look at a rollout step's guardrails (controlplane.analysis.guardrails), and what it did."""
+    """One look at a rollout step's guardrails (analysis.guardrails), and what it did."""
 
     __tablename__ = "guardrail_evaluations"
     __table_args__ = (Index("ix_guardrail_evaluations_rollout_at", "rollout_id", "evaluated_at"),)

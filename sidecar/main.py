@@ -25,12 +25,12 @@ from typing import Any
 import aiohttp
 
 from policies import PolicyStore
-from sidecar.events import TelemetryEvent
 from sidecar.otel import OTelRuntime, otel_from_env
 from sidecar.server import MAX_BODY_BYTES, HttpServer
 from sidecar.settings import SidecarSettings
 from sidecar.sync import PolicySync, sidecar_version
 from sidecar.telemetry import TelemetryExporter
+from wire.telemetry import TelemetryEvent
 
 log = logging.getLogger("specgate.sidecar")
 

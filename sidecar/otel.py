@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 
-from sidecar.events import TelemetryEvent
+from wire.telemetry import TelemetryEvent
 
 log = logging.getLogger("specgate.sidecar.otel")
 

@@ -58,11 +58,11 @@ from yarl import URL
 from policies import CompiledBundle, Decision, PolicyStore, RequestShape
 from sidecar.batch import BatchEstimator, EngineScraper, InFlight
 from sidecar.classify import JSON_OBJECT, classify, output_schema
-from sidecar.events import TelemetryEvent, encode_labels
 from sidecar.metrics import SidecarMetrics
 from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
 from sidecar.upstream import Headers, Response, Upstream, UpstreamError
+from wire.telemetry import TelemetryEvent, encode_labels
 
 try:  # orjson is several times faster than the stdlib; both give the same values here
     import orjson

@@ -43,9 +43,9 @@ from typing import Any
 
 import aiohttp
 
-from sidecar.events import TelemetryBatch, TelemetryEvent
 from sidecar.settings import SidecarSettings
 from sidecar.support import Backoff, fsync_dir, wait_event, write_atomic
+from wire.telemetry import TelemetryBatch, TelemetryEvent
 
 log = logging.getLogger("specgate.sidecar.telemetry")
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from testbed import corpus, engines, env, models, reccheck, sweep
+from testbed import corpus, engines, env, models, sweep
 
 testbed_app = typer.Typer(help="Real vLLM (CPU build) engines with tiny trained models, for tests and demos.",
                           no_args_is_help=True)
@@ -108,38 +108,3 @@ def sweep_cmd(
                        base_port=base_port, http=http, offline=offline, reps=reps)
     typer.echo(sweep.markdown(result))
     typer.echo(f"raw results: {out / 'sweep.json'}")
-
-
-@testbed_app.command("recommend-check")
-def recommend_check_cmd(
-    live: Annotated[bool, typer.Option("--live", help="record new telemetry first (engines, control plane, "
-                                                      "sidecar and traffic; about 15 minutes)")] = False,
-    sweep_file: Annotated[Path, typer.Option("--sweep", help="the sweep's sweep.json (ground truth)")] = (
-        reccheck.SWEEP_FILE),
-    cells_file: Annotated[Path, typer.Option("--cells", help="recorded cells (written by --live)")] = (
-        reccheck.CELLS_FILE),
-    report_file: Annotated[Path | None, typer.Option("--report", help="write the markdown report here")] = None,
-    schedule: Annotated[str, typer.Option(help="with --live: the load generator's concurrency schedule")] = (
-        reccheck.LIVE_SCHEDULE),
-    min_samples: Annotated[int, typer.Option(min=2, help="requests per cohort before a bucket is evidence")] = 100,
-) -> None:
-    """Does the recommender, fed with sidecar telemetry, find the crossovers the sweep measured? Exit 1 if not."""
-    from controlplane.analysis.recommend import RecommendConfig
-
-    def say(line: str) -> None:
-        typer.echo(f"[{time.strftime('%H:%M:%S')}] {line}", err=True)
-
-    try:
-        if live:
-            reccheck.record_live(cells_file, say=say, schedule=schedule)
-        sweep_data, cells = reccheck.load_json(sweep_file), reccheck.load_json(cells_file)
-        result = reccheck.run_check(sweep_data, cells, RecommendConfig(min_samples=min_samples))
-    except (OSError, ValueError, KeyError, RuntimeError, TimeoutError) as exc:
-        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
-        raise typer.Exit(2) from exc
-    text = reccheck.report(result, sweep_path=sweep_file, cells_path=cells_file, meta=cells)
-    if report_file is not None:
-        report_file.write_text(text)
-    typer.echo(text)
-    if not result.passed:
-        raise typer.Exit(1)

@@ -6,9 +6,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
+from analysis.recommend import Recommendation, RecommendConfig
 from controlplane.analysis import service
 from controlplane.analysis.evaluator import evaluate_now
-from controlplane.analysis.recommend import Recommendation, RecommendConfig
 from controlplane.analysis.schemas import (
     NO_CONTROL,
     AppliedRecommendation,

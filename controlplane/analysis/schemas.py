@@ -120,7 +120,7 @@ class CellsExport(BaseModel):
     policy: str
     start: dt.datetime | None = Field(alias="from")
     end: dt.datetime | None = Field(alias="to")
-    cells: list[dict[str, Any]] = Field(description="controlplane.analysis.cells.Cell.to_dict() each")
+    cells: list[dict[str, Any]] = Field(description="analysis.cells.Cell.to_dict() each")
 
     model_config = ConfigDict(populate_by_name=True)
 

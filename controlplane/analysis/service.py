@@ -3,7 +3,7 @@
 Services never commit: the caller owns the unit of work. Latency quantiles
 and acceptance come from the telemetry rollups
 (:func:`controlplane.telemetry.service.summarize`); the statistics and the
-recommender are pure functions over :class:`~controlplane.analysis.cells.Cell`.
+recommender are pure functions over :class:`~analysis.cells.Cell`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from controlplane.analysis import edits
-from controlplane.analysis.cells import Cell, Cohort
-from controlplane.analysis.guardrails import StepEvaluation, evaluate_step
-from controlplane.analysis.recommend import (
+from analysis import edits
+from analysis.buckets import batch_bucket, batch_bucket_label
+from analysis.cells import Cell, Cohort
+from analysis.guardrails import StepEvaluation, evaluate_step
+from analysis.recommend import (
     Recommendation,
     RecommendConfig,
     cell_report,
@@ -34,7 +35,6 @@ from controlplane.models import GuardrailEvaluation, Policy, Revision, Rollout
 from controlplane.policy import service as policy_service
 from controlplane.rollout import service as rollout_service
 from controlplane.rollout.schemas import RolloutAction
-from controlplane.telemetry.buckets import batch_bucket, batch_bucket_label
 from controlplane.telemetry.repository import RollupFilter
 from controlplane.telemetry.service import RollupSummary, summarize
 from policies import PolicyDocument, PolicyValidationError, RequestShape, compile_policy, validate_data

@@ -1,4 +1,4 @@
-"""The event contract as the store validates it: ``sidecar.events.TelemetryEvent`` plus the store's limits.
+"""The event contract as the store validates it: ``wire.telemetry.TelemetryEvent`` plus the store's limits.
 
 :class:`StoredEvent` is derived from the contract field by field, so it keeps
 every constraint of ``TelemetryEvent`` (and follows it when it changes) and
@@ -26,7 +26,7 @@ from pydantic import AllowInfNan, Field, create_model
 from pydantic.fields import FieldInfo
 
 from controlplane.telemetry.schemas import MAX_EVENTS, BatchEnvelope
-from sidecar.events import TelemetryEvent
+from wire.telemetry import TelemetryEvent
 
 MAX_INT = 2**31 - 1
 MAX_FLOAT = 1e12

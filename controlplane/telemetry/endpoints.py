@@ -29,7 +29,7 @@ from controlplane.telemetry.schemas import (
     RollupKeyRead,
     RollupReport,
 )
-from sidecar.events import TelemetryEvent
+from wire.telemetry import TelemetryEvent
 
 router = APIRouter(prefix="/v1/telemetry", tags=["telemetry"], responses=AUTH_RESPONSES)
 
@@ -55,7 +55,7 @@ def _batch_schema() -> dict[str, Any]:
 
 _BATCH_BODY: dict[str, Any] = {
     "required": True,
-    "description": "A TelemetryBatch (sidecar/events.py) as JSON, plain or with `Content-Encoding: gzip`.",
+    "description": "A TelemetryBatch (wire/telemetry.py) as JSON, plain or with `Content-Encoding: gzip`.",
     "content": {"application/json": {"schema": _batch_schema()}},
 }
 

@@ -26,14 +26,14 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from analysis.rollup import COUNTERS, FLOAT_COUNTERS, KEY_FIELDS, RollupKey
 from controlplane.models import (
     TelemetryBatchRecord,
     TelemetryEventRecord,
     TelemetryRollup,
     TelemetryRollupHistogram,
 )
-from controlplane.telemetry.rollup import COUNTERS, FLOAT_COUNTERS, KEY_FIELDS, RollupKey
-from sidecar.events import TelemetryEvent
+from wire.telemetry import TelemetryEvent
 
 BATCHES: Table = TelemetryBatchRecord.__table__  # type: ignore[assignment]
 EVENTS: Table = TelemetryEventRecord.__table__  # type: ignore[assignment]

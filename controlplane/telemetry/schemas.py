@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
-from sidecar.events import EVENT_SCHEMA_VERSION
+from wire.telemetry import EVENT_SCHEMA_VERSION
 
 # PostgreSQL text cannot hold NUL, and ids with control characters only confuse people.
 NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
@@ -17,10 +17,10 @@ WorkerId = Annotated[str, StringConstraints(strict=True, min_length=1, max_lengt
 
 
 class BatchEnvelope(BaseModel):
-    """The envelope of a ``sidecar.events.TelemetryBatch``, checked strictly before any event is.
+    """The envelope of a ``wire.telemetry.TelemetryBatch``, checked strictly before any event is.
 
     Events are validated one by one afterwards (each with
-    ``sidecar.events.TelemetryEvent``), so that one bad event does not cost
+    ``wire.telemetry.TelemetryEvent``), so that one bad event does not cost
     the batch.
     """
 
@@ -82,7 +82,7 @@ class RollupKeyRead(BaseModel):
 
 class RollupGroupRead(BaseModel):
     key: RollupKeyRead = Field(description="the group_by fields of this group (the others are null)")
-    counters: dict[str, int | float] = Field(description="merged rollup counters (controlplane.telemetry.rollup)")
+    counters: dict[str, int | float] = Field(description="merged rollup counters (analysis.rollup)")
     acceptance_rate: float | None = Field(description="accepted / drafted tokens; null when nothing was drafted")
     error_rate: float | None
     e2e_ms_mean: float | None

@@ -9,7 +9,7 @@ Ingest of one batch, in one transaction:
    (``ON CONFLICT (event_id) DO NOTHING RETURNING event_id``), so an event
    that arrives in two batches is stored once;
 3. only the events actually inserted are aggregated in memory
-   (:func:`controlplane.telemetry.rollup.aggregate`) and added to the
+   (:func:`analysis.rollup.aggregate`) and added to the
    per-minute rollups and their histograms (``ON CONFLICT DO UPDATE SET
    n = n + excluded.n``).
 
@@ -29,14 +29,14 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails, from_json
 from sqlalchemy.orm import Session
 
+from analysis.buckets import batch_bucket_label
+from analysis.histogram import METRICS, quantile
+from analysis.rollup import COUNTERS, KEY_FIELDS, aggregate
 from controlplane.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
-from controlplane.telemetry.buckets import batch_bucket_label
 from controlplane.telemetry.contract import StoredBatch, StoredEvent
-from controlplane.telemetry.histogram import METRICS, quantile
 from controlplane.telemetry.repository import PurgeCounts, RollupFilter, TelemetryRepository
-from controlplane.telemetry.rollup import COUNTERS, KEY_FIELDS, aggregate
 from controlplane.telemetry.schemas import BatchAck, BatchEnvelope, EventError, RejectedEvent
-from sidecar.events import TelemetryEvent
+from wire.telemetry import TelemetryEvent
 
 # A gzip body may inflate to this many times SPECGATE_MAX_BODY_BYTES, no more (zip bombs).
 DECOMPRESSION_FACTOR = 16

@@ -13,6 +13,7 @@ from controlplane.auth.service import create_key
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
+from tests.support.auth import bearer
 
 
 @pytest.fixture
@@ -51,8 +52,6 @@ def client(settings: ControlPlaneSettings) -> Iterator[TestClient]:
         yield test_client
 
 
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from controlplane.app import create_app
 from controlplane.models import Revision
 from controlplane.settings import ControlPlaneSettings
 from policies import BundlePayload, BundleVerifier, sticky_fraction
-from tests.controlplane.factories import seed_policy, seed_text
-from tests.controlplane.fleet_rows import (
+from tests.support.factories import seed_policy, seed_text
+from tests.support.fleet_rows import (
     add_rollout,
     add_step,
     register,
@@ -27,7 +27,7 @@ from tests.controlplane.fleet_rows import (
     set_kill_switch,
     set_rollout,
 )
-from tests.controlplane.live import serve
+from tests.support.live import serve
 
 Policy = tuple[str, list[str]]
 

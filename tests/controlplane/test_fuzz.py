@@ -106,8 +106,8 @@ from controlplane.errors import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
 from policies import SigningKey
-from tests.controlplane.conftest import bearer
-from tests.controlplane.factories import seed_policy, seed_text
+from tests.support.auth import bearer
+from tests.support.factories import seed_policy, seed_text
 
 MAX_EXAMPLES = 25
 LONG_POLL_MAX_S = 0.5

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from tests.controlplane.conftest import bearer
+from tests.support.auth import bearer
 
 
 def test_health_and_readiness(client: TestClient) -> None:

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from controlplane.models import FleetState, Revision
 from controlplane.policy import service
 from controlplane.policy.repository import RevisionRepository
-from tests.controlplane.factories import seed_text
+from tests.support.factories import seed_text
 
 Headers = dict[str, str]
 YAML = {"content-type": "application/yaml"}

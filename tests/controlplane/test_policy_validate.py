@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from tests.controlplane.factories import seed_text
+from tests.support.factories import seed_text
 
 Headers = dict[str, str]
 

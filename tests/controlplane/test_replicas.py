@@ -21,11 +21,12 @@ import pytest
 
 from controlplane.settings import ControlPlaneSettings
 from policies import BundleVerifier, SigningKey
-from tests.controlplane.factories import seed_policy, seed_text
-from tests.controlplane.fleet_rows import add_rollout, set_kill_switch
-from tests.controlplane.live import free_port
+from tests.support import paths
+from tests.support.factories import seed_policy, seed_text
+from tests.support.fleet_rows import add_rollout, set_kill_switch
+from tests.support.live import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = paths.ROOT
 
 pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 

@@ -25,7 +25,7 @@ from controlplane.rollout.service import (
     worker_in_canary,
 )
 from controlplane.settings import ControlPlaneSettings
-from tests.controlplane.factories import seed_policy, seed_text
+from tests.support.factories import seed_policy, seed_text
 
 Headers = dict[str, str]
 

@@ -20,7 +20,9 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
-from controlplane.cli import app as cli_app
+from analysis.buckets import BATCH_BUCKETS, batch_bucket, batch_bucket_label
+from analysis.histogram import EDGES, NUM_BUCKETS, bucket_bounds, bucket_index, quantile
+from analysis.rollup import COUNTERS, FLOAT_COUNTERS
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.models import (
     TelemetryBatchRecord,
@@ -29,14 +31,12 @@ from controlplane.models import (
     TelemetryRollupHistogram,
 )
 from controlplane.settings import ControlPlaneSettings
-from controlplane.telemetry.buckets import BATCH_BUCKETS, batch_bucket, batch_bucket_label
 from controlplane.telemetry.contract import MAX_FLOAT, MAX_INT, StoredEvent, field_kind
-from controlplane.telemetry.histogram import EDGES, NUM_BUCKETS, bucket_bounds, bucket_index, quantile
 from controlplane.telemetry.repository import EVENT_COLUMNS, TelemetryRepository
-from controlplane.telemetry.rollup import COUNTERS, FLOAT_COUNTERS
 from controlplane.telemetry.service import purge
-from sidecar.events import TelemetryEvent
-from tests.controlplane.live import serve
+from specgate.cli import app as cli_app
+from tests.support.live import serve
+from wire.telemetry import TelemetryEvent
 
 URL = "/v1/telemetry/batches"
 ROLLUPS = "/v1/telemetry/rollups"
@@ -102,7 +102,7 @@ def rollup_state(engine: Engine) -> tuple[list[tuple[Any, ...]], list[tuple[Any,
     return rollups, hist
 
 
-# The bucket table spelled out, independently of controlplane.telemetry.buckets.
+# The bucket table spelled out, independently of analysis.buckets.
 EXPECTED_BATCH_BUCKET = [(0, 1, 1), (2, 2, 2), (3, 4, 3), (5, 8, 5), (9, 16, 9), (17, 32, 17), (33, 64, 33),
                          (65, 10**9, 65)]
 

@@ -6,8 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from controlplane.settings import ControlPlaneSettings
-from tests.controlplane.factories import seed_policy
-from tests.controlplane.fleet_rows import age_heartbeat, register, set_kill_switch
+from tests.support.factories import seed_policy
+from tests.support.fleet_rows import age_heartbeat, register, set_kill_switch
 
 
 def audit(client: TestClient, admin: dict[str, str], action: str) -> list[dict[str, Any]]:

@@ -16,9 +16,9 @@ import playwright.sync_api as playwright_sync
 import pytest
 
 from dashboard import launch
-from tests.controlplane.live import free_port
-from tests.dashboard import seed
-from tests.dashboard.conftest import LiveControlPlane
+from tests.support import dashboard_seed as seed
+from tests.support.dashboard_live import LiveControlPlane
+from tests.support.live import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 WAIT_MS = 60_000  # generous: two cores shared with other work

@@ -13,21 +13,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.controlplane.live import ctrl_c_as_at_a_terminal, free_port
-from tests.controlplane.test_cli import _lines, _specgate
+from tests.support.cli import line_queue, specgate_command
+from tests.support.live import ctrl_c_as_at_a_terminal, free_port
 
 
 def test_up_starts_the_dashboard_and_stops_it(tmp_path: Path) -> None:
     port, dashboard_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([*_specgate(), "up", "--no-engines", "--data-dir", str(tmp_path / "data"),
+    proc = subprocess.Popen([*specgate_command(), "up", "--no-engines", "--data-dir", str(tmp_path / "data"),
                              "--port", str(port), "--dashboard-port", str(dashboard_port)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             preexec_fn=ctrl_c_as_at_a_terminal)
     assert proc.stdout is not None
     try:
-        out = _lines(proc.stdout)
+        out = line_queue(proc.stdout)
         banner = ""
         deadline = time.monotonic() + 90
         while "admin key" not in banner:

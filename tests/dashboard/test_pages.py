@@ -13,10 +13,10 @@ from controlplane.app import create_app
 from controlplane.auth.schemas import Scope
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
-from tests.controlplane.live import serve
-from tests.dashboard import seed
-from tests.dashboard.apptest import app, button, no_exception, page, texts, use
-from tests.dashboard.conftest import LiveControlPlane, _keys
+from tests.support import dashboard_seed as seed
+from tests.support.apptest import app, button, no_exception, page, texts, use
+from tests.support.dashboard_live import LiveControlPlane, mint_keys
+from tests.support.live import serve
 
 
 def _api(cp: LiveControlPlane, key: str | None = None) -> httpx.Client:
@@ -355,7 +355,7 @@ def test_recommendation_becomes_a_draft_revision(live_control_plane: LiveControl
 def test_without_the_analysis_api_the_page_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     database_url = f"sqlite:///{tmp_path / 'old.db'}"
     upgrade(database_url)
-    keys = _keys(database_url)
+    keys = mint_keys(database_url)
     application = create_app(ControlPlaneSettings(database_url=database_url))
     missing = json.dumps({"type": "https://specgate.dev/problems/not-found", "title": "Not found", "status": 404,
                           "detail": "Not Found"}).encode()

@@ -10,7 +10,7 @@ import pytest
 from dashboard import charts
 from dashboard.client import ApiClient, ApiError, RollupReport, problem_of
 from policies import canonical_document, load_policy
-from tests.dashboard import seed
+from tests.support import dashboard_seed as seed
 
 
 def _document(filename: str) -> dict[str, object]:

@@ -21,7 +21,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e.conftest import (
+from tests.support.e2e import (
     EXTRACT_SCHEMA,
     SEED_POLICY,
     Answer,

@@ -7,8 +7,8 @@ import time
 import httpx
 
 from sidecar.batch import BatchEstimator, EngineScraper, InFlight, parse_running
-from tests.sidecar.conftest import LoopThread, SidecarFactory, wait_for
-from tests.sidecar.fake_upstream import FakeEngine, closed_port
+from tests.support.fake_upstream import FakeEngine, closed_port
+from tests.support.sidecars import LoopThread, SidecarFactory, wait_for
 
 METRICS_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -7,8 +7,8 @@ import json
 
 import aiohttp
 
-from tests.sidecar.conftest import SidecarFactory, wait_for
-from tests.sidecar.fake_upstream import FakeEngine
+from tests.support.fake_upstream import FakeEngine
+from tests.support.sidecars import SidecarFactory, wait_for
 
 CHAT = "/v1/chat/completions"
 

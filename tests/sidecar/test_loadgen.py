@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from controlplane.cli import app
 from sidecar.loadgen import (
     CorpusPrompts,
     FunctionPrompts,
@@ -36,8 +35,9 @@ from sidecar.loadgen import (
     schema_for,
     summarize,
 )
-from tests.sidecar.conftest import SidecarFactory
-from tests.sidecar.fake_upstream import FakeEngine, closed_port
+from specgate.cli import app
+from tests.support.fake_upstream import FakeEngine, closed_port
+from tests.support.sidecars import SidecarFactory
 
 # --- options -----------------------------------------------------------------------------
 

@@ -19,17 +19,17 @@ import pytest
 from typer.testing import CliRunner
 
 import sidecar.main
-from controlplane.cli import app as specgate
 from policies import PolicyStore
 from sidecar.main import Sidecar, resolve_worker_id
 from sidecar.otel import OTelHook, OTelRuntime
 from sidecar.settings import SidecarSettings
 from sidecar.sync import PolicySync
 from sidecar.telemetry import TelemetryExporter
-from tests.controlplane.live import free_port
-from tests.sidecar.test_sync import ControlPlane
+from specgate.cli import app as specgate
+from tests.support import paths
+from tests.support.live import ControlPlane, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = paths.ROOT
 
 
 @pytest.fixture
@@ -173,7 +173,7 @@ def test_serve_cancelled_still_finishes_the_request_in_flight_and_stops_listenin
 
 def test_a_real_sidecar_serves_reports_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
     from controlplane.migrations_state import upgrade
-    from tests.controlplane.factories import seed_policy
+    from tests.support.factories import seed_policy
 
     url = f"sqlite:///{tmp_path / 'cp.db'}"
     upgrade(url)
@@ -184,7 +184,7 @@ def test_a_real_sidecar_serves_reports_and_shuts_down_gracefully_on_sigterm(tmp_
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "OTEL_"))}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "sidecar", "--control-plane", cp.base, "--key",
+        [sys.executable, "-m", "specgate", "sidecar", "--control-plane", cp.base, "--key",
          cp.worker_token, "--engine", "base=http://127.0.0.1:9", "--engine", "draft=http://127.0.0.1:9",
          "--listen", f"127.0.0.1:{port}", "--state-dir", str(state), "--worker-id", "w-main"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

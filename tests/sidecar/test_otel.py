@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from sidecar.events import TelemetryEvent
 from sidecar.otel import OTelHook, otel_enabled, otel_from_env
+from wire.telemetry import TelemetryEvent
 
 START = dt.datetime(2026, 1, 2, 3, 4, 5, 250000, tzinfo=dt.UTC)
 

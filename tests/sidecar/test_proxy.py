@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 import policies
-from sidecar.events import TelemetryBatch, TelemetryEvent
 from sidecar.proxy import build_app
 from sidecar.settings import SidecarSettings
-from tests.sidecar.conftest import SEED, RecordingExporter, Sidecar, SidecarFactory, seed_bundle, wait_for
-from tests.sidecar.fake_upstream import SPEC_METRICS, Blackhole, FakeEngine, closed_port, engine_metrics
+from tests.support.fake_upstream import SPEC_METRICS, Blackhole, FakeEngine, closed_port, engine_metrics
+from tests.support.sidecars import SEED, RecordingExporter, Sidecar, SidecarFactory, seed_bundle, wait_for
+from wire.telemetry import TelemetryBatch, TelemetryEvent
 
 CHAT = "/v1/chat/completions"
 SCHEMA = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}

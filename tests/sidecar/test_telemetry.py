@@ -19,10 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from sidecar.events import TelemetryBatch, TelemetryEvent
 from sidecar.settings import SidecarSettings
 from sidecar.telemetry import TelemetryExporter
-from tests.controlplane.live import free_port
+from tests.support.live import free_port
+from wire.telemetry import TelemetryBatch, TelemetryEvent
 
 KEY = "sgk_test_worker"
 
@@ -406,8 +406,8 @@ def test_against_the_real_control_plane_through_an_outage(tmp_path: Path) -> Non
 
     from controlplane.migrations_state import upgrade
     from controlplane.models import TelemetryEventRecord
-    from tests.controlplane.fleet_rows import session_for
-    from tests.sidecar.test_sync import ControlPlane
+    from tests.support.fleet_rows import session_for
+    from tests.support.live import ControlPlane
 
     url = f"sqlite:///{tmp_path / 'cp.db'}"
     upgrade(url)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sidecar.upstream import Upstream, UpstreamError
-from tests.sidecar.fake_upstream import Blackhole, closed_port
+from tests.support.fake_upstream import Blackhole, closed_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

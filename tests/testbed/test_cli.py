@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from controlplane.cli import app
+from specgate.cli import app
 from testbed import engines
 
 runner = CliRunner()

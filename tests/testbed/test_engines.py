@@ -125,7 +125,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 
 
 def _adopt(tmp_path: Path, delay_s: float) -> tuple[subprocess.Popen[bytes], int]:
-    from tests.controlplane.live import free_port
+    from tests.support.live import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_HEALTH, str(port), str(delay_s)], start_new_session=True)

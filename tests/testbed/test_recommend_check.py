@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from controlplane.analysis.recommend import Recommendation, cell_report
-from controlplane.cli import app
-from controlplane.telemetry.buckets import batch_bucket
-from controlplane.telemetry.histogram import bucket_index
+from analysis.buckets import batch_bucket
+from analysis.histogram import bucket_index
+from analysis.recommend import Recommendation, cell_report
+from specgate.cli import app
 from testbed import reccheck
 
 runner = CliRunner()

@@ -1,0 +1,140 @@
+"""Guardrail checks of a rollout step: canary cohort against baseline cohort, sequentially. Pure.
+
+A step is looked at again and again (every evaluator interval, and whenever
+an operator asks), on data that keep accumulating since the step started. A
+fixed-sample test repeated like that raises false alarms far above its level,
+so each guardrail is a mixture sequential probability ratio test
+(:func:`analysis.stats.msprt`), whose error bound holds at any
+number of looks. The three guardrails share the level ``alpha`` (Bonferroni:
+``alpha / 3`` each), so a step that is as good as its baseline is rolled back
+with probability at most ``alpha`` over its whole life.
+
+The guardrails of the policy document (``guardrails``):
+
+- ``max_p95_itl_regression`` r: breach when ln(p95 canary) - ln(p95 baseline)
+  > ln(1 + r) with confidence; the p95s come from the rollup histograms, their
+  variances from :func:`~analysis.stats.log_quantile_variance`.
+- ``max_retry_rate_increase`` d: breach when the canary's retries and
+  fallbacks per request exceed the baseline's by more than d with confidence
+  (counts: Poisson variance).
+- ``min_acceptance_rate`` m (optional): breach when the canary's acceptance
+  (accepted / drafted tokens) is below m with confidence (binomial variance
+  over requests, which bounds the variance of a mean of per-request rates).
+
+A guardrail is ``pass`` when its always-valid interval lies wholly on the good
+side, ``breach`` as above, ``pending`` otherwise (or with fewer than
+``min_samples`` requests in a cohort). The step's verdict is ``breach`` if any
+guardrail breaches, ``pass`` if all pass, else ``pending``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from analysis.cells import Cohort
+from analysis.stats import log_quantile_variance, msprt
+from policies.model import Guardrails
+
+GUARDRAILS = ("p95_itl_regression", "retry_rate_increase", "min_acceptance")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    guardrail: str
+    status: str  # pass | breach | pending
+    limit: float | None
+    observed: float | None
+    interval: tuple[float, float] | None
+    p_value: float | None
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"guardrail": self.guardrail, "status": self.status, "limit": self.limit,
+                "observed": self.observed,
+                "interval": None if self.interval is None else [round(v, 6) for v in self.interval],
+                "p_value": self.p_value, "detail": self.detail}
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvaluation:
+    verdict: str
+    checks: list[Check]
+    baseline_requests: int
+    canary_requests: int
+    alpha: float
+
+    @property
+    def breaches(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "breach"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "alpha": self.alpha, "baseline_requests": self.baseline_requests,
+                "canary_requests": self.canary_requests, "checks": [c.to_dict() for c in self.checks]}
+
+
+def _status(breach: bool, clear: bool) -> str:
+    return "breach" if breach else "pass" if clear else "pending"
+
+
+def _p95(base: Cohort, canary: Cohort, limit: float, alpha: float) -> Check:
+    qb, qc = base.quantile("itl", 0.95), canary.quantile("itl", 0.95)
+    vb, vc = log_quantile_variance(base.itl, 0.95), log_quantile_variance(canary.itl, 0.95)
+    if qb is None or qc is None or vb is None or vc is None or qb <= 0 or qc <= 0:
+        return Check("p95_itl_regression", "pending", limit, None, None, None, "no inter-token latencies yet")
+    margin = math.log1p(limit)
+    test = msprt(math.log(qc) - math.log(qb), vb + vc, margin, alpha=alpha, tau=max(margin, 0.05))
+    observed = qc / qb - 1
+    interval = (math.expm1(test.ci_low), math.expm1(test.ci_high))
+    return Check("p95_itl_regression", _status(test.breach, test.clear), limit, round(observed, 6), interval,
+                 test.p_value, f"p95 ITL {qc:.2f} ms on the canary vs {qb:.2f} ms on the baseline "
+                               f"({observed:+.1%}; limit +{limit:.0%})")
+
+
+def _retries(base: Cohort, canary: Cohort, limit: float, alpha: float) -> Check:
+    rb = (base.retries + base.fallbacks) / base.requests
+    rc = (canary.retries + canary.fallbacks) / canary.requests
+    # Poisson variance of a count per request, floored at one event's worth so zero counts are not certain.
+    variance = max(rb, 1 / base.requests) / base.requests + max(rc, 1 / canary.requests) / canary.requests
+    test = msprt(rc - rb, variance, limit, alpha=alpha, tau=max(limit, 0.005))
+    return Check("retry_rate_increase", _status(test.breach, test.clear), limit, round(rc - rb, 6),
+                 (test.ci_low, test.ci_high), test.p_value,
+                 f"retries+fallbacks per request {rc:.4f} on the canary vs {rb:.4f} on the baseline "
+                 f"(limit +{limit})")
+
+
+def _acceptance(canary: Cohort, limit: float | None, alpha: float, min_samples: int) -> Check:
+    a = canary.acceptance_rate
+    if limit is None:
+        return Check("min_acceptance", "pass", None, a, None, None, "the policy sets no minimum acceptance")
+    if a is None or canary.spec_reported < min_samples:
+        return Check("min_acceptance", "pending", limit, a, None, None,
+                     "not enough speculative requests with acceptance metrics yet")
+    variance = max(a * (1 - a), 0.25 / canary.spec_reported) / canary.spec_reported
+    # Breach when limit - a > 0: the same one-sided test on the shortfall.
+    test = msprt(limit - a, variance, 0.0, alpha=alpha, tau=0.05)
+    return Check("min_acceptance", _status(test.breach, test.clear), limit, round(a, 6),
+                 (limit - test.ci_high, limit - test.ci_low), test.p_value,
+                 f"acceptance {a:.3f} on the canary (minimum {limit})")
+
+
+def evaluate_step(baseline: Cohort, canary: Cohort, guardrails: Guardrails, *, alpha: float) -> StepEvaluation:
+    """Compare the canary cohort with the baseline cohort on the policy's guardrails (see the module doc)."""
+    each = alpha / len(GUARDRAILS)
+    n = guardrails.min_samples
+    if baseline.requests < n or canary.requests < n:
+        detail = (f"waiting for {n} requests in each cohort (baseline {baseline.requests}, "
+                  f"canary {canary.requests})")
+        checks = [Check(g, "pending", None, None, None, None, detail) for g in GUARDRAILS]
+        return StepEvaluation("pending", checks, baseline.requests, canary.requests, alpha)
+    checks = [_p95(baseline, canary, guardrails.max_p95_itl_regression, each),
+              _retries(baseline, canary, guardrails.max_retry_rate_increase, each),
+              _acceptance(canary, guardrails.min_acceptance_rate, each, n)]
+    if any(c.status == "breach" for c in checks):
+        verdict = "breach"
+    elif all(c.status == "pass" for c in checks):
+        verdict = "pass"
+    else:
+        verdict = "pending"
+    return StepEvaluation(verdict, checks, baseline.requests, canary.requests, alpha)

@@ -1,0 +1,406 @@
+"""The recommender: a pure function from per-bucket statistics and a policy to rule edits.
+
+:func:`recommend` reads no database and no clock: give it the policy's
+normal form, its revision id and a list of :class:`~analysis.cells.Cell`
+(from the rollups, or from a file of recorded statistics) and it returns the
+recommendations, each with its evidence, expected effect and confidence.
+
+What it proposes, per route:
+
+- ``raise_threshold`` / ``lower_threshold``: speculate up to the largest
+  batch-size bucket where speculation still wins with confidence (the
+  interval of plain/speculative inter-token latency lies above 1), walking up
+  from the smallest bucket and stopping at the first bucket where it loses
+  with confidence. A raise needs every bucket it adds to win; a lower is
+  proposed when a bucket the policy speculates in loses, and goes down to the
+  largest winning bucket below it (just below the loss when none wins).
+- ``exclude_route``: speculation loses with confidence and wins nowhere, or
+  the measured acceptance is below the guardrail's minimum with confidence.
+- ``change_k``: the Leviathan formula with the measured acceptance prefers
+  another draft length by at least 5 %.
+- ``switch_method``: two speculative engines ran on the route and one is
+  faster with confidence.
+- ``quality_risk`` (a flag, nothing to apply): retries or structured-output
+  failures are higher on the speculative path with confidence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+from analysis.buckets import BATCH_BUCKETS, batch_bucket_label
+from analysis.cells import Cell, Cohort
+from analysis.stats import (
+    DEFAULT_COST_RATIO,
+    RatioEstimate,
+    expected_tokens_per_step,
+    leviathan_speedup,
+    welch_ratio,
+)
+from policies import RequestShape, compile_policy, validate_data
+from policies.model import PlainEngine, engine_k
+
+INSUFFICIENT = "insufficient evidence"
+
+
+@dataclass(frozen=True, slots=True)
+class RecommendConfig:
+    confidence: float = 0.95
+    min_samples: int = 100  # per cohort, before a bucket counts as evidence
+    min_gain: float = 0.05  # smallest theoretical gain worth a k change
+    cost_ratio: float | None = None  # draft/target cost; None: by method (stats.DEFAULT_COST_RATIO)
+    max_k: int = 8
+
+
+@dataclass(slots=True)
+class Recommendation:
+    id: str
+    kind: str
+    route: str
+    title: str
+    edit: dict[str, Any] | None
+    confidence: str
+    expected_effect: dict[str, Any]
+    evidence: dict[str, Any]
+    message: str
+    applicable: bool = True
+    problems: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "route": self.route, "title": self.title, "edit": self.edit,
+                "confidence": self.confidence, "expected_effect": self.expected_effect,
+                "evidence": self.evidence, "message": self.message, "applicable": self.applicable,
+                "problems": self.problems}
+
+
+def recommendation_id(policy: str, revision: str, kind: str, route: str, edit: Mapping[str, Any] | None) -> str:
+    raw = json.dumps([policy, revision, kind, route, edit], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def bucket_upper(lower: int) -> int:
+    """The largest batch size of a bucket; the open last bucket answers twice its lower bound."""
+    i = BATCH_BUCKETS.index(lower)
+    return BATCH_BUCKETS[i + 1] - 1 if i + 1 < len(BATCH_BUCKETS) else lower * 2
+
+
+def _ratio_dict(r: RatioEstimate | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    return {"ratio": round(r.ratio, 4), "low": round(r.low, 4), "high": round(r.high, 4),
+            "n_plain": r.n_a, "n_speculative": r.n_b, "confidence": r.confidence}
+
+
+def verdict(cell: Cell, cfg: RecommendConfig) -> tuple[str, RatioEstimate | None]:
+    """``wins`` / ``loses`` / ``insufficient evidence`` for speculation in one cell, on inter-token latency."""
+    est = cell.speedup("itl", cfg.confidence)
+    if est is None or est.n_a < cfg.min_samples or est.n_b < cfg.min_samples:
+        return INSUFFICIENT, est
+    if est.above_one:
+        return "wins", est
+    if est.below_one:
+        return "loses", est
+    return "no clear difference", est
+
+
+def cost_ratio_of(method: str | None, cfg: RecommendConfig) -> float:
+    if cfg.cost_ratio is not None:
+        return cfg.cost_ratio
+    return DEFAULT_COST_RATIO.get(method or "", 0.1)
+
+
+def theory(cell: Cell, cfg: RecommendConfig) -> dict[str, Any] | None:
+    """The Leviathan column: expected speedup from the measured acceptance, k and the assumed cost ratio."""
+    a = cell.speculative.acceptance_rate
+    if a is None or not cell.k:
+        return None
+    c = cost_ratio_of(cell.method, cfg)
+    return {"acceptance": round(a, 4), "k": cell.k, "cost_ratio": c,
+            "expected_tokens_per_step": round(expected_tokens_per_step(a, cell.k), 4),
+            "speedup": round(leviathan_speedup(a, cell.k, c), 4)}
+
+
+def cell_report(cell: Cell, cfg: RecommendConfig) -> dict[str, Any]:
+    """One row of the speedup table (and of a recommendation's evidence)."""
+    word, itl = verdict(cell, cfg)
+    e2e = cell.speedup("e2e", cfg.confidence)
+    return {
+        "route": cell.route, "batch_bucket": cell.batch_bucket, "batch_range": batch_bucket_label(cell.batch_bucket),
+        "source": cell.source, "engine": cell.engine, "method": cell.method, "k": cell.k,
+        "n_speculative": cell.speculative.requests, "n_plain": cell.plain.requests,
+        "itl_speedup": _ratio_dict(itl), "e2e_speedup": _ratio_dict(e2e), "verdict": word,
+        "itl_ms_p50": {"speculative": cell.speculative.quantile("itl", 0.5), "plain": cell.plain.quantile("itl", 0.5)},
+        "acceptance_rate": cell.speculative.acceptance_rate,
+        "mean_acceptance_length": cell.speculative.mean_acceptance_length,
+        "theory": theory(cell, cfg),
+    }
+
+
+# --- the current policy, per cell -------------------------------------------------------------
+
+def _decides_speculation(doc_data: Mapping[str, Any], routes: Sequence[str]) -> dict[tuple[str, int], bool]:
+    """Whether the policy speculates for each route and bucket (both ends of the bucket must)."""
+    doc = validate_data(doc_data)
+    compiled = compile_policy(doc)
+    out = {}
+    for route in routes:
+        for lower in BATCH_BUCKETS:
+            decisions = [compiled.decide(RequestShape(route=route, batch_size=size)).speculate
+                         for size in (lower, bucket_upper(lower))]
+            out[(route, lower)] = all(decisions)
+    return out
+
+
+def _threshold(speculates: Mapping[int, bool]) -> int | None:
+    """The largest batch size of the contiguous speculated buckets from the smallest; None if none."""
+    top = None
+    for lower in BATCH_BUCKETS:
+        if not speculates.get(lower):
+            break
+        top = bucket_upper(lower)
+    return top
+
+
+def _confidence(estimates: Sequence[RatioEstimate | None], cfg: RecommendConfig) -> str:
+    ns = [min(e.n_a, e.n_b) for e in estimates if e is not None]
+    if ns and min(ns) >= 4 * cfg.min_samples:
+        return "high"
+    return "medium"
+
+
+def _share(cells: Sequence[Cell], buckets: set[int]) -> float:
+    total = sum(c.speculative.requests + c.plain.requests for c in cells)
+    part = sum(c.speculative.requests + c.plain.requests for c in cells if c.batch_bucket in buckets)
+    return part / total if total else 0.0
+
+
+def _mean_speedup(cells: Sequence[Cell], buckets: set[int], cfg: RecommendConfig) -> float | None:
+    ests = [(c.speculative.requests + c.plain.requests, c.speedup("itl", cfg.confidence))
+            for c in cells if c.batch_bucket in buckets]
+    pairs = [(w, e.ratio) for w, e in ests if e is not None and w > 0]
+    if not pairs:
+        return None
+    return math.exp(sum(w * math.log(r) for w, r in pairs) / sum(w for w, _ in pairs))
+
+
+def _rate_difference(spec_num: int, spec_den: int, plain_num: int, plain_den: int,
+                     confidence: float) -> tuple[float, float] | None:
+    """spec rate - plain rate and the lower end of its interval (Poisson-style variance for counts)."""
+    if spec_den == 0 or plain_den == 0:
+        return None
+    rs, rp = spec_num / spec_den, plain_num / plain_den
+    se = math.sqrt(max(rs, 1 / spec_den) / spec_den + max(rp, 1 / plain_den) / plain_den)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    return rs - rp, rs - rp - z * se
+
+
+def _validity_drop(spec: Cohort, plain: Cohort, confidence: float) -> tuple[float, float] | None:
+    """plain validity - spec validity and the lower end of its interval (binomial)."""
+    if spec.structured_checked == 0 or plain.structured_checked == 0:
+        return None
+    ps = spec.structured_valid / spec.structured_checked
+    pp = plain.structured_valid / plain.structured_checked
+    se = math.sqrt(max(ps * (1 - ps), 0.25 / spec.structured_checked) / spec.structured_checked
+                   + max(pp * (1 - pp), 0.25 / plain.structured_checked) / plain.structured_checked)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    return pp - ps, pp - ps - z * se
+
+
+def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
+              cfg: RecommendConfig | None = None) -> list[Recommendation]:
+    """Recommendations for a policy (its normal form) from per-bucket statistics; pure."""
+    cfg = cfg or RecommendConfig()
+    doc = validate_data(document)
+    policy = doc.name
+    by_route: dict[str, list[Cell]] = defaultdict(list)
+    for cell in cells:
+        by_route[cell.route].append(cell)
+    speculates = _decides_speculation(document, sorted(by_route))
+    out: list[Recommendation] = []
+
+    def add(kind: str, route: str, title: str, edit: dict[str, Any] | None, confidence: str,
+            effect: dict[str, Any], evidence: dict[str, Any], message: str) -> None:
+        rid = recommendation_id(policy, revision, kind, route, edit)
+        out.append(Recommendation(rid, kind, route, title, edit, confidence, effect, evidence, message))
+
+    for route in sorted(by_route):
+        route_cells = sorted(by_route[route], key=lambda c: c.batch_bucket)
+        verdicts = {c.batch_bucket: verdict(c, cfg) for c in route_cells}
+        rows = [cell_report(c, cfg) for c in route_cells]
+        evidence = {"buckets": rows}
+        spec_now = {lower: speculates[(route, lower)] for lower in BATCH_BUCKETS}
+        current = _threshold(spec_now)
+        wins = [b for b, (v, _) in verdicts.items() if v == "wins"]
+        loses = [b for b, (v, _) in verdicts.items() if v == "loses"]
+
+        # -- exclude the route ------------------------------------------------------------------
+        spec_all = Cohort()
+        for c in route_cells:
+            spec_all.add(c.speculative)
+        acceptance = spec_all.acceptance_rate
+        min_acc = doc.guardrails.min_acceptance_rate
+        acc_high = None
+        if acceptance is not None and spec_all.spec_reported >= cfg.min_samples:
+            z = NormalDist().inv_cdf(0.5 + cfg.confidence / 2)
+            half = z * math.sqrt(max(acceptance * (1 - acceptance), 1e-4) / spec_all.spec_reported)
+            acc_high = acceptance + half
+        low_acceptance = min_acc is not None and acc_high is not None and acc_high < min_acc
+        speculating = any(spec_now.values())
+        if speculating and ((loses and not wins) or low_acceptance):
+            why = (f"acceptance {acceptance:.3f} (interval up to {acc_high:.3f}) is below the guardrail "
+                   f"minimum {min_acc}" if low_acceptance and acceptance is not None
+                   else f"speculation is slower with confidence in bucket(s) "
+                        f"{', '.join(batch_bucket_label(b) for b in loses)} and faster in none")
+            ests = [verdicts[b][1] for b in loses]
+            add("exclude_route", route, f"exclude route {route!r} from speculation",
+                {"kind": "exclude_route", "route": route}, _confidence(ests, cfg) if loses else "medium",
+                {"itl_change": None if not loses else round(1 / (_mean_speedup(route_cells, set(loses), cfg) or 1), 4),
+                 "share_of_route_traffic": round(_share(route_cells, set(loses)), 4),
+                 "text": "the route's requests run on the plain engine"},
+                {**evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
+                 "min_acceptance_rate": min_acc},
+                f"Exclude route {route!r}: {why}.")
+            continue
+
+        # -- batch-size threshold -----------------------------------------------------------------
+        target = None  # largest bucket that wins, with no loss below it
+        for lower in BATCH_BUCKETS:
+            word = verdicts.get(lower, (INSUFFICIENT, None))[0]
+            if word == "loses":
+                break
+            if word == "wins":
+                target = lower
+        if current is not None and loses:
+            first_loss = min((b for b in loses if spec_now.get(b)), default=None)
+            if first_loss is not None:
+                keep = [b for b in BATCH_BUCKETS if b < first_loss and spec_now.get(b)]
+                if keep:
+                    # Down to the largest bucket that still wins, not to the one just below the loss: a bucket
+                    # between them with no clear difference gives no reason to pay for drafting there, and
+                    # the loss above says which way it leans. Where nothing below the loss wins (thin or
+                    # unclear evidence), stop just below the loss and let more traffic decide the rest.
+                    winning = [b for b in keep if verdicts.get(b, (INSUFFICIENT, None))[0] == "wins"]
+                    new_max = bucket_upper(winning[-1] if winning else keep[-1])
+                    dropped = {b for b in BATCH_BUCKETS if bucket_upper(b) > new_max and spec_now.get(b)}
+                    unclear = sorted(b for b in dropped if b < first_loss and b in verdicts)
+                    ests = [verdicts[b][1] for b in loses if b in dropped]
+                    sp = _mean_speedup(route_cells, dropped, cfg)
+                    add("lower_threshold", route, f"lower route {route!r}'s batch threshold to {new_max}",
+                        {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
+                        {"batch_max": {"from": current, "to": new_max},
+                         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
+                         "share_of_route_traffic": round(_share(route_cells, dropped), 4)},
+                        evidence,
+                        f"Lower route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
+                        f"slower with confidence from batch size {batch_bucket_label(first_loss)} "
+                        f"(plain/speculative ITL {verdicts[first_loss][1].ratio:.2f}, "  # type: ignore[union-attr]
+                        f"{cfg.confidence:.0%} interval {verdicts[first_loss][1].low:.2f}-"  # type: ignore[union-attr]
+                        f"{verdicts[first_loss][1].high:.2f})"  # type: ignore[union-attr]
+                        + ("" if not unclear else
+                           f"; in {', '.join(batch_bucket_label(b) for b in unclear)} it is not faster with "
+                           "confidence")
+                        + ".")
+                    continue
+        if target is not None and (current is None or bucket_upper(target) > current):
+            added = {b for b in BATCH_BUCKETS if b <= target and not spec_now.get(b)}
+            if added and all(verdicts.get(b, (INSUFFICIENT, None))[0] == "wins" for b in added) and current is not None:
+                new_max = bucket_upper(target)
+                ests = [verdicts[b][1] for b in added]
+                sp = _mean_speedup(route_cells, added, cfg)
+                add("raise_threshold", route, f"raise route {route!r}'s batch threshold to {new_max}",
+                    {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
+                    {"batch_max": {"from": current, "to": new_max},
+                     "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
+                     "share_of_route_traffic": round(_share(route_cells, added), 4)},
+                    evidence,
+                    f"Raise route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
+                    f"faster with confidence up to batch size {batch_bucket_label(target)} "
+                    f"(plain/speculative ITL {', '.join(f'{verdicts[b][1].ratio:.2f}' for b in sorted(added))}).")  # type: ignore[union-attr]
+
+        # -- draft length ---------------------------------------------------------------------------
+        spec_cells = [c for c in route_cells if c.k]
+        if speculating and spec_cells and acceptance is not None and spec_all.spec_reported >= cfg.min_samples:
+            main = max(spec_cells, key=lambda c: c.speculative.requests)
+            k_now = main.k or 0
+            ratio = cost_ratio_of(main.method, cfg)
+            scores = {k: leviathan_speedup(acceptance, k, ratio) for k in range(1, cfg.max_k + 1)}
+            best = max(scores, key=lambda k: scores[k])
+            if best != k_now and k_now and scores[best] >= scores[k_now] * (1 + cfg.min_gain):
+                configured = doc.engines.get(main.engine or "")
+                engine_max = engine_k(configured) if configured is not None else 0
+                if best <= engine_max:
+                    edit: dict[str, Any] = {"kind": "set_k", "route": route, "k": best}
+                    where = f"on route {route!r}"
+                else:  # a rule cannot draft more than its engine is configured for
+                    edit = {"kind": "set_engine_k", "route": route, "engine": main.engine, "k": best}
+                    where = f"on engine {main.engine!r} (every route it serves; the engine restarts)"
+                add("change_k", route, f"draft {best} tokens instead of {k_now} {where}", edit, "low",
+                    {"theoretical_speedup": {"from": round(scores[k_now], 4), "to": round(scores[best], 4)},
+                     "text": "from the Leviathan formula with the measured acceptance; not yet measured"},
+                    {**evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
+                     "cost_ratio": ratio, "method": main.method},
+                    f"Change k {where} from {k_now} to {best}: with measured acceptance "
+                    f"{acceptance:.3f} the expected speedup moves from {scores[k_now]:.2f} to {scores[best]:.2f}.")
+
+        # -- method --------------------------------------------------------------------------------
+        engines: dict[str, Cohort] = defaultdict(Cohort)
+        for cell in route_cells:
+            for name, cohort in cell.engines.items():
+                engines[name].add(cohort)
+        measured = {n: c.moments("itl") for n, c in engines.items() if c.itl_count >= cfg.min_samples}
+        usable = {n: m for n, m in measured.items() if m is not None}
+        if speculating and len(usable) >= 2:
+            current_engine = max(spec_cells, key=lambda c: c.speculative.requests).engine if spec_cells else None
+            if current_engine in usable:
+                for other, m in sorted(usable.items()):
+                    if other == current_engine:
+                        continue
+                    est = welch_ratio(usable[current_engine], m, cfg.confidence)  # current / other
+                    if est.above_one:
+                        add("switch_method", route, f"switch route {route!r} to engine {other!r}",
+                            {"kind": "set_engine", "route": route, "engine": other}, _confidence([est], cfg),
+                            {"itl_ratio_current_over_new": _ratio_dict(est)},
+                            {**evidence, "engines": {n: {"requests": c.requests, "itl_p50": c.quantile("itl", .5),
+                                                         "acceptance_rate": c.acceptance_rate}
+                                                     for n, c in sorted(engines.items())}},
+                            f"Switch route {route!r} from {current_engine!r} to {other!r}: its ITL is lower by a "
+                            f"factor {est.ratio:.2f} ({cfg.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}).")
+                        break
+
+        # -- quality risk --------------------------------------------------------------------------
+        plain_all = Cohort()
+        for c in route_cells:
+            plain_all.add(c.plain)
+        retry = _rate_difference(spec_all.retries + spec_all.fallbacks, spec_all.requests,
+                                 plain_all.retries + plain_all.fallbacks, plain_all.requests, cfg.confidence)
+        validity = _validity_drop(spec_all, plain_all, cfg.confidence)
+        risks = []
+        if retry is not None and retry[1] > 0 and min(spec_all.requests, plain_all.requests) >= cfg.min_samples:
+            risks.append(f"retries and fallbacks per request are {retry[0]:+.3f} higher on the speculative path")
+        if validity is not None and validity[1] > 0 and min(spec_all.structured_checked,
+                                                          plain_all.structured_checked) >= cfg.min_samples:
+            risks.append(f"structured-output validity is {validity[0]:.3f} lower on the speculative path")
+        if risks:
+            add("quality_risk", route, f"quality risk on route {route!r}", None, "medium",
+                {"text": "speculation may trade quality for latency here; investigate before widening it"},
+                {"retry_rate": {"speculative": spec_all.retry_rate, "plain": plain_all.retry_rate,
+                                "difference": None if retry is None else round(retry[0], 4)},
+                 "fallback_rate": {"speculative": spec_all.fallback_rate, "plain": plain_all.fallback_rate},
+                 "structured_validity": {"speculative": spec_all.structured_validity,
+                                         "plain": plain_all.structured_validity},
+                 "requests": {"speculative": spec_all.requests, "plain": plain_all.requests}},
+                f"Quality risk on route {route!r}: {'; '.join(risks)}.")
+    return out
+
+
+def engine_facts(document: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
+    """``{engine: (method, k)}`` of a policy's normal form."""
+    doc = validate_data(document)
+    return {name: ("none" if isinstance(e, PlainEngine) else e.method, engine_k(e)) for name, e in doc.engines.items()}

@@ -1,0 +1,188 @@
+"""Per-minute rollups: what is counted, and the in-memory aggregation of one batch.
+
+A rollup row is keyed by (``minute``, ``policy``, ``revision``, ``route``,
+``engine``, ``batch_bucket``, ``explored``): ``minute`` is the event's
+``time`` truncated to the minute (UTC), ``engine`` the engine the request
+finally ran on, ``batch_bucket`` the lower bound of the batch-size bucket
+(:mod:`analysis.buckets`).
+
+Every counter is a plain sum over the events of the key, so two rollups of
+the same key merge by adding them (and that is what ingest does in SQL):
+
+=========================  ==========================================================
+``requests``               events
+``ok``                     ``status == "ok"``
+``errors``                 ``status != "ok"`` (client disconnects included)
+``client_disconnects``     ``status == "client_disconnect"``
+``fallbacks``              ``fallback`` true
+``retries``                sum of ``retries``
+``speculated``             ``speculate`` true (the decision)
+``structured_checked``     ``structured_valid`` is not null
+``structured_valid``       ``structured_valid`` true
+``spec_reported``          both ``spec_draft_tokens`` and ``spec_accepted_tokens`` present
+``draft_tokens_sum``       sum of ``spec_draft_tokens`` over ``spec_reported`` events
+``accepted_tokens_sum``    sum of ``spec_accepted_tokens`` over ``spec_reported`` events
+``spec_steps_sum/_count``  sum and number of present ``spec_steps``
+``prompt_tokens_sum/_count``, ``completion_tokens_sum/_count``: sum and number of present values
+``e2e_ms_sum``             sum of ``e2e_ms`` (present on every event: its count is ``requests``)
+``ttft_ms_sum``, ``ttft_count``: sum and number of present ``ttft_ms``
+``itl_ms_sum``, ``itl_count``: sum and number of present ``itl_ms`` (a per-request mean)
+``itl_weighted_ms_sum``    sum of ``itl_ms * max(completion_tokens - 1, 0)`` over events with both
+``itl_weighted_tokens``    sum of ``max(completion_tokens - 1, 0)`` over the same events
+=========================  ==========================================================
+
+So acceptance = ``accepted_tokens_sum / draft_tokens_sum``; the per-request
+mean ITL = ``itl_ms_sum / itl_count``; the token-weighted mean ITL (the mean
+gap between two output tokens over all tokens) =
+``itl_weighted_ms_sum / itl_weighted_tokens``.
+
+Beside the counters, each rollup row has three latency histograms (``ttft``,
+``itl``, ``e2e``) over :mod:`analysis.histogram`'s fixed
+buckets: ``{bucket: events}`` of the present values.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from analysis.buckets import batch_bucket
+from analysis.histogram import bucket_index
+from wire.telemetry import TelemetryEvent
+
+KEY_FIELDS: tuple[str, ...] = ("minute", "policy", "revision", "route", "engine", "batch_bucket", "explored")
+
+RollupKey = tuple[dt.datetime, str, str, str, str, int, bool]
+
+
+@dataclass(slots=True)
+class Totals:
+    """The counters of one rollup key (definitions above); the columns of ``telemetry_rollups``."""
+
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    client_disconnects: int = 0
+    fallbacks: int = 0
+    retries: int = 0
+    speculated: int = 0
+    structured_checked: int = 0
+    structured_valid: int = 0
+    spec_reported: int = 0
+    draft_tokens_sum: int = 0
+    accepted_tokens_sum: int = 0
+    spec_steps_sum: int = 0
+    spec_steps_count: int = 0
+    prompt_tokens_sum: int = 0
+    prompt_tokens_count: int = 0
+    completion_tokens_sum: int = 0
+    completion_tokens_count: int = 0
+    e2e_ms_sum: float = 0.0
+    ttft_ms_sum: float = 0.0
+    ttft_count: int = 0
+    itl_ms_sum: float = 0.0
+    itl_count: int = 0
+    itl_weighted_ms_sum: float = 0.0
+    itl_weighted_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in COUNTERS}
+
+
+COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Totals))
+FLOAT_COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Totals) if f.type in (float, "float"))
+INT_COUNTERS: tuple[str, ...] = tuple(name for name in COUNTERS if name not in FLOAT_COUNTERS)
+
+
+def minute_of(time: dt.datetime) -> dt.datetime:
+    """The UTC minute an (aware) event time falls in."""
+    return time.astimezone(dt.UTC).replace(second=0, microsecond=0)
+
+
+def rollup_key(event: TelemetryEvent) -> RollupKey:
+    return (minute_of(event.time), event.policy, event.revision, event.route, event.engine,
+            batch_bucket(event.batch_size), event.explored)
+
+
+class RollupDelta:
+    """What one batch adds to one rollup key: counters and histograms ``{metric: {bucket: count}}``."""
+
+    __slots__ = ("histograms", "totals")
+
+    def __init__(self) -> None:
+        self.totals = Totals()
+        self.histograms: dict[str, dict[int, int]] = {"ttft": {}, "itl": {}, "e2e": {}}
+
+
+def aggregate(events: Iterable[TelemetryEvent]) -> dict[RollupKey, RollupDelta]:
+    """Group events by rollup key and sum them; a batch's hundreds of events become a few rows."""
+    out: dict[RollupKey, RollupDelta] = {}
+    minutes: dict[dt.datetime, dt.datetime] = {}
+    for ev in events:
+        time = ev.time
+        minute = minutes.get(time)
+        if minute is None:
+            minute = minutes[time] = minute_of(time)
+        key = (minute, ev.policy, ev.revision, ev.route, ev.engine, batch_bucket(ev.batch_size), ev.explored)
+        delta = out.get(key)
+        if delta is None:
+            delta = out[key] = RollupDelta()
+        t = delta.totals
+        hist = delta.histograms
+        t.requests += 1
+        status = ev.status
+        if status == "ok":
+            t.ok += 1
+        else:
+            t.errors += 1
+            if status == "client_disconnect":
+                t.client_disconnects += 1
+        if ev.fallback:
+            t.fallbacks += 1
+        t.retries += ev.retries
+        if ev.speculate:
+            t.speculated += 1
+        if ev.structured_valid is not None:
+            t.structured_checked += 1
+            if ev.structured_valid:
+                t.structured_valid += 1
+        if ev.spec_draft_tokens is not None and ev.spec_accepted_tokens is not None:
+            t.spec_reported += 1
+            t.draft_tokens_sum += ev.spec_draft_tokens
+            t.accepted_tokens_sum += ev.spec_accepted_tokens
+        if ev.spec_steps is not None:
+            t.spec_steps_sum += ev.spec_steps
+            t.spec_steps_count += 1
+        if ev.prompt_tokens is not None:
+            t.prompt_tokens_sum += ev.prompt_tokens
+            t.prompt_tokens_count += 1
+        completion = ev.completion_tokens
+        if completion is not None:
+            t.completion_tokens_sum += completion
+            t.completion_tokens_count += 1
+        e2e = ev.e2e_ms
+        t.e2e_ms_sum += e2e
+        h = hist["e2e"]
+        b = bucket_index(e2e)
+        h[b] = h.get(b, 0) + 1
+        ttft = ev.ttft_ms
+        if ttft is not None:
+            t.ttft_ms_sum += ttft
+            t.ttft_count += 1
+            h = hist["ttft"]
+            b = bucket_index(ttft)
+            h[b] = h.get(b, 0) + 1
+        itl = ev.itl_ms
+        if itl is not None:
+            t.itl_ms_sum += itl
+            t.itl_count += 1
+            h = hist["itl"]
+            b = bucket_index(itl)
+            h[b] = h.get(b, 0) + 1
+            if completion is not None:
+                gaps = completion - 1 if completion > 1 else 0
+                t.itl_weighted_ms_sum += itl * gaps
+                t.itl_weighted_tokens += gaps
+    return out

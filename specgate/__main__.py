@@ -1,0 +1,5 @@
+"""``python -m specgate``: the ``specgate`` command."""
+
+from specgate.cli import main
+
+main()

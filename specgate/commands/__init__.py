@@ -1,0 +1,1 @@
+"""The REST commands of ``specgate``: policies, rollouts, the fleet, analysis and recommendations."""

@@ -1,0 +1,209 @@
+"""``specgate analysis ...`` and ``specgate recommend ...``: the analysis API from the command line.
+
+Everything talks to a running control plane over REST, except
+``specgate recommend offline``, which runs the recommender on a file of
+recorded per-bucket statistics (``specgate analysis cells --out``) and a
+policy document, with no control plane at all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from specgate.commands.rest import DEFAULT_URL, Api, JsonOpt, KeyOpt, UrlOpt, fail, show
+
+analysis_app = typer.Typer(help="Telemetry analysis: summaries, speedups, before/after, what-if, guardrails.",
+                           no_args_is_help=True)
+recommend_app = typer.Typer(help="Recommended rule edits, with evidence; apply one as a draft revision.",
+                            no_args_is_help=True)
+
+FromOpt = Annotated[str | None, typer.Option("--from", help="window start, ISO 8601 (UTC if no zone)")]
+ToOpt = Annotated[str | None, typer.Option("--to", help="window end, exclusive")]
+PolicyOpt = Annotated[str, typer.Option("--policy", help="the policy's name")]
+
+def _api(url: str, key: str) -> Api:
+    return Api(url, key)
+
+
+_show = show
+
+
+def _params(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _window(start: str | None, end: str | None) -> dict[str, Any]:
+    return _params(**{"from": start, "to": end})
+
+
+def _fmt(value: Any, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@analysis_app.command("summary")
+def summary(policy: Annotated[str | None, typer.Option()] = None, route: Annotated[str | None, typer.Option()] = None,
+            group_by: Annotated[str, typer.Option(help="comma-separated: route, engine, batch_bucket, revision, "
+                                                       "policy, explored; or worker")] = "route,engine,batch_bucket",
+            window: Annotated[str | None, typer.Option(help="minute, hour or day")] = None,
+            start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
+            key: KeyOpt = "") -> None:
+    """Requests, acceptance, p50/p95 latencies and rates per group (from the rollups)."""
+    data = _api(url, key).call("GET", "/v1/analysis/summary", params=_params(
+        policy=policy, route=route, group_by=group_by, window=window, **_window(start, end))).json()
+    if as_json:
+        _show(data, True)
+        return
+    if data.get("workers") is not None:
+        for w in data["workers"]:
+            typer.echo(f"{w['key']['worker_id']:<24} n={w['requests']:<8} acc={_fmt(w['acceptance_rate'])} "
+                       f"itl_mean={_fmt(w['itl_ms_mean'])}ms err={_fmt(w['error_rate'])}")
+        return
+    for row in data["rows"]:
+        key = " ".join(f"{k}={v}" for k, v in row["key"].items() if k != "batch_bucket")
+        typer.echo(f"{key:<48} n={row['requests']:<8} acc={_fmt(row['acceptance_rate'])} "
+                   f"itl p50/p95={_fmt(row['itl_ms']['p50'])}/{_fmt(row['itl_ms']['p95'])}ms "
+                   f"e2e p95={_fmt(row['e2e_ms']['p95'])}ms retries={_fmt(row['retry_rate'])} "
+                   f"err={_fmt(row['error_rate'])}")
+
+
+@analysis_app.command("speedups")
+def speedups(policy: PolicyOpt, route: Annotated[str | None, typer.Option()] = None,
+             rollout: Annotated[str | None, typer.Option(help="compare this rollout's two cohorts")] = None,
+             start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
+             key: KeyOpt = "") -> None:
+    """Speculative vs plain per route and batch bucket, with intervals and sample sizes."""
+    data = _api(url, key).call("GET", "/v1/analysis/speedups", params=_params(
+        policy=policy, route=route, rollout=rollout, **_window(start, end))).json()
+    if as_json:
+        _show(data, True)
+        return
+    for row in data["rows"]:
+        itl = row["itl_speedup"]
+        ci = f"{itl['ratio']:.2f} [{itl['low']:.2f}, {itl['high']:.2f}]" if itl else "-"
+        theory = row["theory"]["speedup"] if row["theory"] else None
+        typer.echo(f"{row['route']:<16} batch {row['batch_range']:<6} ITL speedup {ci:<22} "
+                   f"n={row['n_speculative']}/{row['n_plain']:<6} theory={_fmt(theory)} {row['verdict']} "
+                   f"({row['source']})")
+
+
+@analysis_app.command("before-after")
+def before_after(rollout: Annotated[str | None, typer.Option()] = None,
+                 policy: Annotated[str | None, typer.Option()] = None,
+                 from_revision: Annotated[str | None, typer.Option()] = None,
+                 to_revision: Annotated[str | None, typer.Option()] = None,
+                 start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
+                 key: KeyOpt = "") -> None:
+    """p50/p95, retries and acceptance per route for a rollout (or two revisions over a window)."""
+    data = _api(url, key).call("GET", "/v1/analysis/before-after", params=_params(
+        rollout=rollout, policy=policy, from_revision=from_revision, to_revision=to_revision,
+        **_window(start, end))).json()
+    _show(data, as_json)
+
+
+@analysis_app.command("what-if")
+def what_if(policy: PolicyOpt,
+            revision: Annotated[str | None, typer.Option(help="a stored revision to score")] = None,
+            file: Annotated[Path | None, typer.Option("-f", "--file", help="or a candidate document")] = None,
+            start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
+            key: KeyOpt = "") -> None:
+    """Score a candidate on the recorded window before it ships."""
+    import yaml
+
+    body: dict[str, Any] = {"policy": policy, **_window(start, end)}
+    if revision is not None:
+        body["revision"] = revision
+    if file is not None:
+        try:
+            body["document"] = yaml.safe_load(file.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            fail(f"cannot read {file}: {exc}", 2)
+    _show(_api(url, key).call("POST", "/v1/analysis/what-if", json=body).json(), as_json)
+
+
+@analysis_app.command("cells")
+def cells(policy: PolicyOpt, out: Annotated[Path | None, typer.Option(help="write them to this file")] = None,
+          start: FromOpt = None, end: ToOpt = None, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """The per-bucket statistics the recommender reads (for `specgate recommend offline`)."""
+    data = _api(url, key).call("GET", "/v1/analysis/cells", params=_params(policy=policy,
+                                                                           **_window(start, end))).json()
+    text = json.dumps(data, indent=1)
+    if out is None:
+        typer.echo(text)
+    else:
+        out.write_text(text + "\n")
+        typer.echo(f"{len(data['cells'])} cells written to {out}")
+
+
+@analysis_app.command("guardrails")
+def guardrails(rollout_id: str, evaluate: Annotated[bool, typer.Option(help="evaluate the current step now")] = False,
+               as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """A rollout's guardrail evaluations (newest first), or a new one with --evaluate."""
+    api = _api(url, key)
+    if evaluate:
+        _show(api.call("POST", f"/v1/rollouts/{rollout_id}/guardrails/evaluate").json(), as_json)
+        return
+    _show(api.call("GET", f"/v1/rollouts/{rollout_id}/guardrails").json(), as_json)
+
+
+def _print_recommendations(recs: list[dict[str, Any]]) -> None:
+    if not recs:
+        typer.echo("no recommendations: nothing holds with confidence on this window")
+    for rec in recs:
+        mark = "" if rec["applicable"] else "  (not applicable" + (
+            f": {rec['problems'][0]['message']})" if rec.get("problems") else ")")
+        typer.echo(f"[{rec['confidence']}] {rec['id']}  {rec['title']}{mark}\n    {rec['message']}")
+
+
+@recommend_app.command("list")
+def recommend_list(policy: PolicyOpt, start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False,
+                   url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Recommended rule edits for the policy's active revision."""
+    data = _api(url, key).call("GET", "/v1/recommendations", params=_params(policy=policy,
+                                                                            **_window(start, end))).json()
+    if as_json:
+        _show(data, True)
+    else:
+        _print_recommendations(data["recommendations"])
+
+
+@recommend_app.command("apply")
+def recommend_apply(recommendation_id: str, policy: PolicyOpt, start: FromOpt = None, end: ToOpt = None,
+                    as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Create a draft revision with a recommendation's edit (same policy and window as the listing)."""
+    data = _api(url, key).call("POST", f"/v1/recommendations/{recommendation_id}/apply",
+                               params=_params(policy=policy, **_window(start, end))).json()
+    if as_json:
+        _show(data, True)
+    else:
+        typer.echo(f"draft revision {data['revision']} (seq {data['seq']}): {data['message']}")
+
+
+@recommend_app.command("offline")
+def recommend_offline(cells_file: Annotated[Path, typer.Option("--cells", help="JSON from `analysis cells`")],
+                      policy_file: Annotated[Path, typer.Option("--policy-file", help="the policy (YAML/JSON)")],
+                      min_samples: Annotated[int, typer.Option(min=2)] = 100,
+                      confidence: Annotated[float, typer.Option(min=0.5, max=0.999)] = 0.95,
+                      as_json: JsonOpt = False) -> None:
+    """Run the recommender on recorded per-bucket statistics, without a control plane."""
+    from analysis.cells import Cell
+    from analysis.recommend import RecommendConfig, recommend
+    from policies import PolicyError, canonical_document, load_policy, revision_id
+
+    try:
+        raw = json.loads(cells_file.read_text())
+        items = raw["cells"] if isinstance(raw, dict) else raw
+        cell_list = [Cell.from_dict(item) for item in items]
+        doc = load_policy(policy_file.read_text())
+    except (OSError, ValueError, KeyError, TypeError, PolicyError) as exc:
+        fail(f"cannot read the input: {exc}", 2)
+    recs = recommend(canonical_document(doc), revision_id(doc), cell_list,
+                     RecommendConfig(confidence=confidence, min_samples=min_samples))
+    data = [r.to_dict() for r in recs]
+    if as_json:
+        _show(data, True)
+    else:
+        _print_recommendations(data)

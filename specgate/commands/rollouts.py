@@ -1,0 +1,85 @@
+"""``specgate rollout ...``: roll a revision out step by step, pause, resume, abort, follow it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from specgate.commands.rest import DEFAULT_URL, Api, JsonOpt, KeyOpt, UrlOpt, fail, show
+
+rollout_app = typer.Typer(help="Roll a revision out step by step.", no_args_is_help=True)
+
+
+@rollout_app.command("start")
+def rollout_start(policy: str, revision: str,
+                  reason: Annotated[str, typer.Option(help="why (the API requires one)")],
+                  steps: Annotated[str, typer.Option(help="percents, e.g. 10,50,100")] = "10,50,100",
+                  mode: Annotated[str, typer.Option(help="workers or traffic")] = "traffic",
+                  pool: Annotated[str | None, typer.Option()] = None,
+                  label: Annotated[list[str] | None, typer.Option(help="k=v, repeatable")] = None,
+                  as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Start rolling REVISION of POLICY out."""
+    try:
+        percents = [float(s) for s in steps.split(",") if s.strip()]
+    except ValueError:
+        fail(f"--steps must be comma-separated numbers, got {steps!r}", 2)
+    labels: dict[str, str] = {}
+    for item in label or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            fail(f"--label must be k=v, got {item!r}", 2)
+        labels[k] = v
+    target: dict[str, Any] = {}
+    if pool:
+        target["pool"] = pool
+    if labels:
+        target["labels"] = labels
+    body = {"policy": policy, "revision": revision, "mode": mode, "steps": percents, "target": target,
+            "reason": reason}
+    show(Api(url, key).call("POST", "/v1/rollouts", json=body).json(), as_json)
+
+
+def _transition(action: str, rollout_id: str, reason: str, url: str, key: str, as_json: bool) -> None:
+    show(Api(url, key).call("POST", f"/v1/rollouts/{rollout_id}/{action}", json={"reason": reason}).json(),
+           as_json)
+
+
+@rollout_app.command("promote")
+def rollout_promote(rollout_id: str, reason: Annotated[str, typer.Option()] = "", as_json: JsonOpt = False,
+                    url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Move a rollout to its next step (or complete it)."""
+    _transition("promote", rollout_id, reason, url, key, as_json)
+
+
+@rollout_app.command("pause")
+def rollout_pause(rollout_id: str, reason: Annotated[str, typer.Option()] = "", as_json: JsonOpt = False,
+                  url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Hold a rollout at its current step."""
+    _transition("pause", rollout_id, reason, url, key, as_json)
+
+
+@rollout_app.command("resume")
+def rollout_resume(rollout_id: str, reason: Annotated[str, typer.Option()] = "", as_json: JsonOpt = False,
+                   url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Resume a paused rollout."""
+    _transition("resume", rollout_id, reason, url, key, as_json)
+
+
+@rollout_app.command("abort")
+def rollout_abort(rollout_id: str, reason: Annotated[str, typer.Option()], as_json: JsonOpt = False,
+                  url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Stop a rollout; the policy stays on its active revision."""
+    _transition("abort", rollout_id, reason, url, key, as_json)
+
+
+@rollout_app.command("status")
+def rollout_status(rollout_id: Annotated[str | None, typer.Argument()] = None,
+                   policy: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False,
+                   url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Show one rollout, or the rollouts of a policy (newest first)."""
+    api = Api(url, key)
+    if rollout_id:
+        show(api.call("GET", f"/v1/rollouts/{rollout_id}").json(), as_json)
+    else:
+        show(api.call("GET", "/v1/rollouts", params={"policy": policy} if policy else None).json(), as_json)

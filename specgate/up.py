@@ -1,0 +1,301 @@
+"""``specgate up``: the whole product on one machine, on embedded defaults (what ``make run`` calls).
+
+In order: the control plane on SQLite (``DATA_DIR/specgate.db``) with the example policies; the
+testbed's engine environment and trained models (built once, then cached); real vLLM engines
+(CPU build) for as many variants as memory allows; the ``testbed`` policy fitted to those
+engines; a sidecar in front of them (pool ``testbed``, a fresh worker key); a looping traffic
+generator over the testbed's routes; the dashboard. Every URL and the admin key are printed;
+Ctrl-C (or SIGTERM) stops everything this command started, and only that, also when start-up
+fails half way. ``--no-engines`` brings up only the control plane and the dashboard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import httpx
+import typer
+import uvicorn
+import yaml
+
+from controlplane.app import create_app
+from controlplane.auth.local import mint_keys
+from controlplane.auth.schemas import Scope
+from controlplane.migrations_state import upgrade
+from controlplane.settings import ControlPlaneSettings
+from specgate import stack as devstack
+from testbed.engines import process_start_ticks
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "policies" / "examples"
+# (file, pool): the seed policy serves every pool without a policy of its own.
+EXAMPLE_POLICIES = (("seed.yaml", None), ("multi-route.yaml", "fleet"), ("conservative.yaml", "batch"))
+TESTBED_POLICY = "testbed.yaml"
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _say(line: str) -> None:
+    typer.echo(f"[{time.strftime('%H:%M:%S')}] {line}")
+
+
+def _load_examples(base_url: str, token: str) -> list[str]:
+    loaded = []
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        for filename, pool in EXAMPLE_POLICIES:
+            text = (EXAMPLES / filename).read_text()
+            name = yaml.safe_load(text)["name"]
+            found = client.get(f"/v1/policies/{name}")
+            if found.status_code == 404:
+                client.post("/v1/policies", json={"name": name, "pool": pool}).raise_for_status()
+                response = client.post(f"/v1/policies/{name}/revisions", content=text.encode(),
+                                       headers={"Content-Type": "application/yaml"},
+                                       params={"message": f"example {filename}"})
+                response.raise_for_status()
+            loaded.append(f"{name} (pool {pool or 'any'})")
+    return loaded
+
+
+def _load_testbed_policy(base_url: str, token: str, engines: list[str]) -> str:
+    """The testbed policy, fitted to the running engines, made the active revision of pool ``testbed``."""
+    document = devstack.fit_policy(yaml.safe_load((EXAMPLES / TESTBED_POLICY).read_text()), engines)
+    name = document["name"]
+    body = yaml.safe_dump(document, sort_keys=False).encode()
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        found = client.get(f"/v1/policies/{name}")
+        headers = {"Content-Type": "application/yaml"}
+        if found.status_code == 404:
+            client.post("/v1/policies", json={"name": name, "pool": devstack.TESTBED_POOL,
+                                              "description": document.get("description")}).raise_for_status()
+        else:
+            found.raise_for_status()
+            head = found.json().get("head_revision_id")
+            if head:
+                headers["If-Match"] = f'"{head}"'
+        created = client.post(f"/v1/policies/{name}/revisions", content=body, headers=headers,
+                              params={"message": f"{TESTBED_POLICY} for engines {', '.join(engines)}"})
+        created.raise_for_status()
+        revision = created.json()["id"]
+        active = client.get(f"/v1/policies/{name}").json().get("active_revision_id")
+        if active != revision:  # a later revision is a draft until activated: this one is what runs now
+            client.post(f"/v1/policies/{name}/rollback",
+                        json={"revision": revision, "reason": f"specgate up: engines {', '.join(engines)}"},
+                        ).raise_for_status()
+    return f"{name} (pool {devstack.TESTBED_POOL}, engines {', '.join(engines)})"
+
+
+def _start_dashboard(host: str, port: int, api_url: str, token: str,
+                     log: Path | None = None) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """The dashboard beside the control plane, signed in with the admin key; (process, banner line)."""
+    if port == 0:
+        return None, "off (--dashboard-port 0)"
+    if importlib.util.find_spec("streamlit") is None:
+        return None, "not installed (pip install streamlit)"
+    if not _port_free(host, port):
+        return None, f"not started: {host}:{port} is in use (pass --dashboard-port)"
+    from dashboard import launch
+
+    process = launch.start(host=host, port=port, api_url=api_url, api_key=token, log=log)
+    return process, f"http://{host}:{port}  (signed in with the admin key)"
+
+
+class _Stop(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) asked us to stop: handled as a Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP end ``up`` the way Ctrl-C does, so every part it started is stopped."""
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise _Stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """While stopping: a second Ctrl-C must not cut the stop short and leave processes behind."""
+    def later(signum: int, frame: FrameType | None) -> None:
+        typer.echo("still stopping (processes this command started are being stopped)...")
+
+    previous = {sig: signal.signal(sig, later) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _free_or_exit(host: str, port: int, what: str, option: str) -> None:
+    if not _port_free(host, port):
+        typer.secho(f"error: {host}:{port} is in use ({what}); pass {option}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
+
+
+def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite database, logs and state live"),
+       host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8080),
+       dashboard_port: int = typer.Option(8501, help="port of the dashboard; 0 does not start it"),
+       engines: str = typer.Option("auto", help="engine variants to start: auto (as many of base, draft, "
+                                   "ngram as memory allows, ~3 GiB each) or a list such as base,draft"),
+       no_engines: bool = typer.Option(False, "--no-engines", help="light mode: only the control plane and "
+                                       "the dashboard (no engines, sidecar or traffic)"),
+       engine_port: int = typer.Option(8100, help="port of the base engine; ngram +1, draft +2"),
+       sidecar_port: int = typer.Option(9000, help="port of the sidecar (OpenAI-compatible endpoint)"),
+       traffic: bool = typer.Option(True, help="run the traffic generator against the sidecar"),
+       engine_starter: str = typer.Option("", hidden=True, help="MODULE:FACTORY of a stand-in engine starter "
+                                          "(tests)")) -> None:
+    """Bring the product up: control plane, engines, sidecar, traffic and dashboard (Ctrl-C stops all)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    url = os.environ.get("SPECGATE_DATABASE_URL") or f"sqlite:///{(data_dir / 'specgate.db').resolve()}"
+    settings = ControlPlaneSettings(database_url=url)
+    _free_or_exit(host, port, "control plane", "--port")
+    variants: list[str] = []
+    if not no_engines:
+        try:
+            variants, why = devstack.choose_engines(engines, devstack.mem_available_gib())
+        except ValueError as exc:
+            typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+            raise typer.Exit(2) from None
+        from testbed.engines import ports_for
+
+        for name, engine_port_ in ports_for(variants, engine_port).items():
+            _free_or_exit("127.0.0.1", engine_port_, f"engine {name}", "--engine-port")
+        _free_or_exit(host, sidecar_port, "sidecar", "--sidecar-port")
+    stack = devstack.Stack(data_dir=data_dir.resolve(), say=_say)
+    leftovers = stack.reap_leftovers()
+    if leftovers:
+        _say(f"stopped what an earlier `specgate up` left running: {', '.join(leftovers)}")
+    upgrade(url)
+    stamp = int(time.time())
+    wanted = {f"make-run-{stamp}": Scope.admin}
+    if not no_engines:
+        wanted[f"make-run-sidecar-{stamp}"] = Scope.worker
+    keys = mint_keys(url, wanted, created_by="cli:make-run")
+    token = keys[f"make-run-{stamp}"]
+    worker_token = keys.get(f"make-run-sidecar-{stamp}")
+
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="control-plane", daemon=True)
+    base = f"http://{host}:{port}"
+    exit_code = 0
+    with _stop_signals():
+        try:
+            thread.start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            else:
+                raise devstack.StartupError("the control plane did not become ready in 30 s")
+            loaded = _load_examples(base, token)
+            lines: list[tuple[str, str]] = []
+            if not no_engines:
+                assert worker_token is not None
+                _say(f"the control plane answers at {base} (admin key {token}); engines: {', '.join(variants)} ({why})")
+                lines, testbed_line = _start_testbed(stack, data_dir.resolve(), base, token, worker_token,
+                                                     variants, engine_port, host, sidecar_port, traffic,
+                                                     engine_starter)
+                loaded.append(testbed_line)
+            dashboard, dashboard_line = _start_dashboard(host, dashboard_port, base, token,
+                                                         log=None if no_engines else data_dir / "dashboard.log")
+            if dashboard is not None:
+                stack.add(devstack.Child("dashboard", dashboard, None, own_group=False,
+                                         start_ticks=process_start_ticks(dashboard.pid)))
+            typer.echo(_banner(base, dashboard_line, url, loaded, token, lines))
+            _watch(thread, stack)
+        except KeyboardInterrupt:
+            typer.echo("stopping...")
+        except (devstack.StartupError, RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+            typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+            typer.echo("stopping what was started...")
+            exit_code = 1
+        finally:
+            with _signals_deferred():
+                stack.stop()
+                server.should_exit = True
+                if thread.is_alive():
+                    thread.join(10)
+    if exit_code:
+        raise typer.Exit(exit_code)
+
+
+def _start_testbed(stack: devstack.Stack, data_dir: Path, base: str, token: str, worker_token: str,
+                   variants: list[str], engine_port: int, host: str, sidecar_port: int, traffic: bool,
+                   engine_starter: str) -> tuple[list[tuple[str, str]], str]:
+    """Engines, the fitted testbed policy, the sidecar and the traffic; (banner lines, policy line)."""
+    logs = data_dir / "logs"
+    starter = devstack.load_engine_starter(engine_starter, data_dir / "engines")
+    t0 = time.monotonic()
+    urls = stack.start_engines(starter, variants, engine_port)
+    policy_line = _load_testbed_policy(base, token, list(urls))
+    listen = f"{host}:{sidecar_port}"
+    sidecar_url = f"http://{listen}"
+    child = stack.add(devstack.spawn("sidecar", devstack.sidecar_command(
+        api_url=base, worker_key=worker_token, engine_urls=urls, listen=listen, pool=devstack.TESTBED_POOL,
+        state_dir=data_dir / "sidecar", bundle_key=devstack.public_key(base)), logs / "sidecar.log"))
+    devstack.wait_sidecar(child, sidecar_url, base, token, worker_id=listen)
+    _say(f"sidecar {sidecar_url} registered with the control plane (pool {devstack.TESTBED_POOL})")
+    lines = [(f"engine {name}", url) for name, url in urls.items()]
+    lines.append(("sidecar", f"{sidecar_url}/v1  (OpenAI-compatible; worker {listen}, pool "
+                             f"{devstack.TESTBED_POOL})"))
+    if traffic:
+        stack.add(devstack.spawn("loadgen", devstack.loadgen_command(
+            sidecar_url, corpus_seed=devstack.corpus_seed(), seed=int(time.time()) % 100_000),
+            logs / "loadgen.log"))
+        lines.append(("traffic", f"specgate loadgen --loop ({devstack.TRAFFIC_ROUTES}; concurrency "
+                                 f"{devstack.TRAFFIC_SCHEDULE}); log {logs / 'loadgen.log'}"))
+    else:
+        lines.append(("traffic", "off (--no-traffic)"))
+    lines.append(("logs", f"{logs}, engines in {data_dir / 'engines'}"))
+    _say(f"engines, policy and sidecar ready after {time.monotonic() - t0:.0f} s")
+    return lines, policy_line
+
+
+def _banner(base: str, dashboard_line: str, url: str, loaded: list[str], token: str,
+            extra: list[tuple[str, str]]) -> str:
+    rows = [("control plane", base), ("API docs", f"{base}/docs"), ("dashboard", dashboard_line), *extra,
+            ("database", url), ("policies", ", ".join(loaded)), ("admin key", token)]
+    text = "\nspecgate is up\n" + "".join(f"  {name:<15} {value}\n" for name, value in rows)
+    text += f"\n  try: SPECGATE_URL={base} SPECGATE_KEY={token} .venv/bin/specgate workers\n"
+    if extra:
+        text += (f"       curl -s '{base}/v1/analysis/summary?group_by=route,engine' -H 'Authorization: Bearer "
+                 f"{token}'\n")
+    return text + "Ctrl-C stops everything this command started.\n"
+
+
+def _watch(thread: threading.Thread, stack: devstack.Stack) -> None:
+    """Until Ctrl-C: keep serving; say once when a part dies on its own."""
+    reported: set[str] = set()
+    while thread.is_alive():
+        thread.join(0.5)
+        for child in stack.children:
+            if child.name not in reported and not child.alive():
+                reported.add(child.name)
+                where = f"; log {child.log}" if child.log else ""
+                _say(f"warning: {child.name} exited with {child.process.returncode}{where}")
