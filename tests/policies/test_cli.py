@@ -176,7 +176,7 @@ def test_render_trtllm(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["render", str(MULTI_ROUTE), "--engine", "ngram", "--target", "trtllm", "--schedule",
             "--max-num-seqs", "64"]
     assert main(argv) == 0
-    assert capsys.readouterr().out == (ROOT / "tests" / "golden" / "multi-route" /
+    assert capsys.readouterr().out == (ROOT / "tests" / "policies" / "golden" / "multi-route" /
                                        "ngram.trtllm-extra-options.yaml").read_text()
 
 

@@ -1,6 +1,6 @@
 """Engine configuration rendered from policies: golden files and schedule rules.
 
-Golden files live in ``tests/golden/<example>/<engine>.<kind>``. Run with
+Golden files live in ``tests/policies/golden/<example>/<engine>.<kind>``. Run with
 ``SPECGATE_UPDATE_GOLDEN=1`` to rewrite them after an intended change, and
 read the diff before committing it.
 """

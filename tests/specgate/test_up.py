@@ -256,7 +256,7 @@ def test_up_registers_a_sidecar_turns_traffic_into_telemetry_and_sigint_stops_ev
 
 
 def test_sigterm_during_engine_start_up_stops_the_engines_already_started(tmp_path: Path) -> None:
-    proc, ports = _start_up(tmp_path, "tests.specgate.test_up:SlowFakeEngineStarter")
+    proc, ports = _start_up(tmp_path, "tests.support.fake_engines:SlowFakeEngineStarter")
     assert proc.stdout is not None
     data = tmp_path / "data"
     try:
