@@ -45,7 +45,7 @@ from analysis.stats import (
     welch_ratio,
 )
 from policies import RequestShape, compile_policy, validate_data
-from policies.model import PlainEngine, engine_k
+from policies.model import Engine, PlainEngine, engine_k
 
 INSUFFICIENT = "insufficient evidence"
 
@@ -213,191 +213,301 @@ def _validity_drop(spec: Cohort, plain: Cohort, confidence: float) -> tuple[floa
     return pp - ps, pp - ps - z * se
 
 
+# --- what every section reads about one route -----------------------------------------------------
+
+@dataclass(slots=True)
+class _RouteFacts:
+    """One route's cells, their verdicts and what the policy does with it now."""
+
+    route: str
+    cells: list[Cell]  # by batch-size bucket
+    verdicts: dict[int, tuple[str, RatioEstimate | None]]
+    evidence: dict[str, Any]  # the speedup table, shared by the route's recommendations
+    spec_now: dict[int, bool]  # bucket -> whether the policy speculates there
+    current: int | None  # the policy's threshold (see _threshold)
+    wins: list[int]
+    loses: list[int]
+    spec_all: Cohort  # every speculative request of the route
+
+    @property
+    def speculating(self) -> bool:
+        return any(self.spec_now.values())
+
+    def verdict_of(self, bucket: int) -> str:
+        return self.verdicts.get(bucket, (INSUFFICIENT, None))[0]
+
+    def main_speculative_cell(self) -> Cell | None:
+        """The cell with the most speculative requests among those that know their draft length."""
+        spec_cells = [c for c in self.cells if c.k]
+        return max(spec_cells, key=lambda c: c.speculative.requests) if spec_cells else None
+
+
+def _route_facts(route: str, cells: Sequence[Cell], speculates: Mapping[tuple[str, int], bool],
+                 cfg: RecommendConfig) -> _RouteFacts:
+    route_cells = sorted(cells, key=lambda c: c.batch_bucket)
+    verdicts = {c.batch_bucket: verdict(c, cfg) for c in route_cells}
+    spec_now = {lower: speculates[(route, lower)] for lower in BATCH_BUCKETS}
+    spec_all = Cohort()
+    for c in route_cells:
+        spec_all.add(c.speculative)
+    return _RouteFacts(
+        route=route, cells=route_cells, verdicts=verdicts,
+        evidence={"buckets": [cell_report(c, cfg) for c in route_cells]},
+        spec_now=spec_now, current=_threshold(spec_now),
+        wins=[b for b, (v, _) in verdicts.items() if v == "wins"],
+        loses=[b for b, (v, _) in verdicts.items() if v == "loses"], spec_all=spec_all)
+
+
+@dataclass(frozen=True, slots=True)
+class _Proposal:
+    """A recommendation before it is named (its id depends on the policy and revision, not on the route's facts)."""
+
+    kind: str
+    title: str
+    edit: dict[str, Any] | None
+    confidence: str
+    expected_effect: dict[str, Any]
+    evidence: dict[str, Any]
+    message: str
+
+
 def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
               cfg: RecommendConfig | None = None) -> list[Recommendation]:
     """Recommendations for a policy (its normal form) from per-bucket statistics; pure."""
     cfg = cfg or RecommendConfig()
     doc = validate_data(document)
-    policy = doc.name
     by_route: dict[str, list[Cell]] = defaultdict(list)
     for cell in cells:
         by_route[cell.route].append(cell)
     speculates = _decides_speculation(document, sorted(by_route))
     out: list[Recommendation] = []
-
-    def add(kind: str, route: str, title: str, edit: dict[str, Any] | None, confidence: str,
-            effect: dict[str, Any], evidence: dict[str, Any], message: str) -> None:
-        rid = recommendation_id(policy, revision, kind, route, edit)
-        out.append(Recommendation(rid, kind, route, title, edit, confidence, effect, evidence, message))
-
     for route in sorted(by_route):
-        route_cells = sorted(by_route[route], key=lambda c: c.batch_bucket)
-        verdicts = {c.batch_bucket: verdict(c, cfg) for c in route_cells}
-        rows = [cell_report(c, cfg) for c in route_cells]
-        evidence = {"buckets": rows}
-        spec_now = {lower: speculates[(route, lower)] for lower in BATCH_BUCKETS}
-        current = _threshold(spec_now)
-        wins = [b for b, (v, _) in verdicts.items() if v == "wins"]
-        loses = [b for b, (v, _) in verdicts.items() if v == "loses"]
-
-        # -- exclude the route ------------------------------------------------------------------
-        spec_all = Cohort()
-        for c in route_cells:
-            spec_all.add(c.speculative)
-        acceptance = spec_all.acceptance_rate
-        min_acc = doc.guardrails.min_acceptance_rate
-        acc_high = None
-        if acceptance is not None and spec_all.spec_reported >= cfg.min_samples:
-            z = NormalDist().inv_cdf(0.5 + cfg.confidence / 2)
-            half = z * math.sqrt(max(acceptance * (1 - acceptance), 1e-4) / spec_all.spec_reported)
-            acc_high = acceptance + half
-        low_acceptance = min_acc is not None and acc_high is not None and acc_high < min_acc
-        speculating = any(spec_now.values())
-        if speculating and ((loses and not wins) or low_acceptance):
-            why = (f"acceptance {acceptance:.3f} (interval up to {acc_high:.3f}) is below the guardrail "
-                   f"minimum {min_acc}" if low_acceptance and acceptance is not None
-                   else f"speculation is slower with confidence in bucket(s) "
-                        f"{', '.join(batch_bucket_label(b) for b in loses)} and faster in none")
-            ests = [verdicts[b][1] for b in loses]
-            add("exclude_route", route, f"exclude route {route!r} from speculation",
-                {"kind": "exclude_route", "route": route}, _confidence(ests, cfg) if loses else "medium",
-                {"itl_change": None if not loses else round(1 / (_mean_speedup(route_cells, set(loses), cfg) or 1), 4),
-                 "share_of_route_traffic": round(_share(route_cells, set(loses)), 4),
-                 "text": "the route's requests run on the plain engine"},
-                {**evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
-                 "min_acceptance_rate": min_acc},
-                f"Exclude route {route!r}: {why}.")
-            continue
-
-        # -- batch-size threshold -----------------------------------------------------------------
-        target = None  # largest bucket that wins, with no loss below it
-        for lower in BATCH_BUCKETS:
-            word = verdicts.get(lower, (INSUFFICIENT, None))[0]
-            if word == "loses":
-                break
-            if word == "wins":
-                target = lower
-        if current is not None and loses:
-            first_loss = min((b for b in loses if spec_now.get(b)), default=None)
-            if first_loss is not None:
-                keep = [b for b in BATCH_BUCKETS if b < first_loss and spec_now.get(b)]
-                if keep:
-                    # Down to the largest bucket that still wins, not to the one just below the loss: a bucket
-                    # between them with no clear difference gives no reason to pay for drafting there, and
-                    # the loss above says which way it leans. Where nothing below the loss wins (thin or
-                    # unclear evidence), stop just below the loss and let more traffic decide the rest.
-                    winning = [b for b in keep if verdicts.get(b, (INSUFFICIENT, None))[0] == "wins"]
-                    new_max = bucket_upper(winning[-1] if winning else keep[-1])
-                    dropped = {b for b in BATCH_BUCKETS if bucket_upper(b) > new_max and spec_now.get(b)}
-                    unclear = sorted(b for b in dropped if b < first_loss and b in verdicts)
-                    ests = [verdicts[b][1] for b in loses if b in dropped]
-                    sp = _mean_speedup(route_cells, dropped, cfg)
-                    add("lower_threshold", route, f"lower route {route!r}'s batch threshold to {new_max}",
-                        {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
-                        {"batch_max": {"from": current, "to": new_max},
-                         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
-                         "share_of_route_traffic": round(_share(route_cells, dropped), 4)},
-                        evidence,
-                        f"Lower route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
-                        f"slower with confidence from batch size {batch_bucket_label(first_loss)} "
-                        f"(plain/speculative ITL {verdicts[first_loss][1].ratio:.2f}, "  # type: ignore[union-attr]
-                        f"{cfg.confidence:.0%} interval {verdicts[first_loss][1].low:.2f}-"  # type: ignore[union-attr]
-                        f"{verdicts[first_loss][1].high:.2f})"  # type: ignore[union-attr]
-                        + ("" if not unclear else
-                           f"; in {', '.join(batch_bucket_label(b) for b in unclear)} it is not faster with "
-                           "confidence")
-                        + ".")
-                    continue
-        if target is not None and (current is None or bucket_upper(target) > current):
-            added = {b for b in BATCH_BUCKETS if b <= target and not spec_now.get(b)}
-            if added and all(verdicts.get(b, (INSUFFICIENT, None))[0] == "wins" for b in added) and current is not None:
-                new_max = bucket_upper(target)
-                ests = [verdicts[b][1] for b in added]
-                sp = _mean_speedup(route_cells, added, cfg)
-                add("raise_threshold", route, f"raise route {route!r}'s batch threshold to {new_max}",
-                    {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
-                    {"batch_max": {"from": current, "to": new_max},
-                     "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
-                     "share_of_route_traffic": round(_share(route_cells, added), 4)},
-                    evidence,
-                    f"Raise route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
-                    f"faster with confidence up to batch size {batch_bucket_label(target)} "
-                    f"(plain/speculative ITL {', '.join(f'{verdicts[b][1].ratio:.2f}' for b in sorted(added))}).")  # type: ignore[union-attr]
-
-        # -- draft length ---------------------------------------------------------------------------
-        spec_cells = [c for c in route_cells if c.k]
-        if speculating and spec_cells and acceptance is not None and spec_all.spec_reported >= cfg.min_samples:
-            main = max(spec_cells, key=lambda c: c.speculative.requests)
-            k_now = main.k or 0
-            ratio = cost_ratio_of(main.method, cfg)
-            scores = {k: leviathan_speedup(acceptance, k, ratio) for k in range(1, cfg.max_k + 1)}
-            best = max(scores, key=lambda k: scores[k])
-            if best != k_now and k_now and scores[best] >= scores[k_now] * (1 + cfg.min_gain):
-                configured = doc.engines.get(main.engine or "")
-                engine_max = engine_k(configured) if configured is not None else 0
-                if best <= engine_max:
-                    edit: dict[str, Any] = {"kind": "set_k", "route": route, "k": best}
-                    where = f"on route {route!r}"
-                else:  # a rule cannot draft more than its engine is configured for
-                    edit = {"kind": "set_engine_k", "route": route, "engine": main.engine, "k": best}
-                    where = f"on engine {main.engine!r} (every route it serves; the engine restarts)"
-                add("change_k", route, f"draft {best} tokens instead of {k_now} {where}", edit, "low",
-                    {"theoretical_speedup": {"from": round(scores[k_now], 4), "to": round(scores[best], 4)},
-                     "text": "from the Leviathan formula with the measured acceptance; not yet measured"},
-                    {**evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
-                     "cost_ratio": ratio, "method": main.method},
-                    f"Change k {where} from {k_now} to {best}: with measured acceptance "
-                    f"{acceptance:.3f} the expected speedup moves from {scores[k_now]:.2f} to {scores[best]:.2f}.")
-
-        # -- method --------------------------------------------------------------------------------
-        engines: dict[str, Cohort] = defaultdict(Cohort)
-        for cell in route_cells:
-            for name, cohort in cell.engines.items():
-                engines[name].add(cohort)
-        measured = {n: c.moments("itl") for n, c in engines.items() if c.itl_count >= cfg.min_samples}
-        usable = {n: m for n, m in measured.items() if m is not None}
-        if speculating and len(usable) >= 2:
-            current_engine = max(spec_cells, key=lambda c: c.speculative.requests).engine if spec_cells else None
-            if current_engine in usable:
-                for other, m in sorted(usable.items()):
-                    if other == current_engine:
-                        continue
-                    est = welch_ratio(usable[current_engine], m, cfg.confidence)  # current / other
-                    if est.above_one:
-                        add("switch_method", route, f"switch route {route!r} to engine {other!r}",
-                            {"kind": "set_engine", "route": route, "engine": other}, _confidence([est], cfg),
-                            {"itl_ratio_current_over_new": _ratio_dict(est)},
-                            {**evidence, "engines": {n: {"requests": c.requests, "itl_p50": c.quantile("itl", .5),
-                                                         "acceptance_rate": c.acceptance_rate}
-                                                     for n, c in sorted(engines.items())}},
-                            f"Switch route {route!r} from {current_engine!r} to {other!r}: its ITL is lower by a "
-                            f"factor {est.ratio:.2f} ({cfg.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}).")
-                        break
-
-        # -- quality risk --------------------------------------------------------------------------
-        plain_all = Cohort()
-        for c in route_cells:
-            plain_all.add(c.plain)
-        retry = _rate_difference(spec_all.retries + spec_all.fallbacks, spec_all.requests,
-                                 plain_all.retries + plain_all.fallbacks, plain_all.requests, cfg.confidence)
-        validity = _validity_drop(spec_all, plain_all, cfg.confidence)
-        risks = []
-        if retry is not None and retry[1] > 0 and min(spec_all.requests, plain_all.requests) >= cfg.min_samples:
-            risks.append(f"retries and fallbacks per request are {retry[0]:+.3f} higher on the speculative path")
-        if validity is not None and validity[1] > 0 and min(spec_all.structured_checked,
-                                                          plain_all.structured_checked) >= cfg.min_samples:
-            risks.append(f"structured-output validity is {validity[0]:.3f} lower on the speculative path")
-        if risks:
-            add("quality_risk", route, f"quality risk on route {route!r}", None, "medium",
-                {"text": "speculation may trade quality for latency here; investigate before widening it"},
-                {"retry_rate": {"speculative": spec_all.retry_rate, "plain": plain_all.retry_rate,
-                                "difference": None if retry is None else round(retry[0], 4)},
-                 "fallback_rate": {"speculative": spec_all.fallback_rate, "plain": plain_all.fallback_rate},
-                 "structured_validity": {"speculative": spec_all.structured_validity,
-                                         "plain": plain_all.structured_validity},
-                 "requests": {"speculative": spec_all.requests, "plain": plain_all.requests}},
-                f"Quality risk on route {route!r}: {'; '.join(risks)}.")
+        facts = _route_facts(route, by_route[route], speculates, cfg)
+        for p in _route_proposals(facts, doc.guardrails.min_acceptance_rate, doc.engines, cfg):
+            rid = recommendation_id(doc.name, revision, p.kind, route, p.edit)
+            out.append(Recommendation(rid, p.kind, route, p.title, p.edit, p.confidence, p.expected_effect,
+                                      p.evidence, p.message))
     return out
+
+
+def _route_proposals(facts: _RouteFacts, min_acceptance: float | None, engines: Mapping[str, Engine],
+                     cfg: RecommendConfig) -> list[_Proposal]:
+    """One route's recommendations, in the order they are listed."""
+    # An exclusion or a lowered threshold is the route's only recommendation: the others would tune
+    # speculation that the edit stops or narrows.
+    exclusion = _exclude_route(facts, min_acceptance, cfg)
+    if exclusion is not None:
+        return [exclusion]
+    lowered = _lower_threshold(facts, cfg)
+    if lowered is not None:
+        return [lowered]
+    proposals = (_raise_threshold(facts, cfg), _change_k(facts, engines, cfg), _switch_method(facts, cfg),
+                 _quality_risk(facts, cfg))
+    return [p for p in proposals if p is not None]
+
+
+# --- exclude the route --------------------------------------------------------------------------------
+
+def _acceptance_upper_bound(spec: Cohort, cfg: RecommendConfig) -> float | None:
+    """The upper end of the acceptance rate's interval; None below min_samples reported requests."""
+    acceptance = spec.acceptance_rate
+    if acceptance is None or spec.spec_reported < cfg.min_samples:
+        return None
+    z = NormalDist().inv_cdf(0.5 + cfg.confidence / 2)
+    return acceptance + z * math.sqrt(max(acceptance * (1 - acceptance), 1e-4) / spec.spec_reported)
+
+
+def _exclude_route(facts: _RouteFacts, min_acc: float | None, cfg: RecommendConfig) -> _Proposal | None:
+    route, loses, spec_all = facts.route, facts.loses, facts.spec_all
+    acceptance = spec_all.acceptance_rate
+    acc_high = _acceptance_upper_bound(spec_all, cfg)
+    low_acceptance = min_acc is not None and acc_high is not None and acc_high < min_acc
+    if not (facts.speculating and ((loses and not facts.wins) or low_acceptance)):
+        return None
+    why = (f"acceptance {acceptance:.3f} (interval up to {acc_high:.3f}) is below the guardrail "
+           f"minimum {min_acc}" if low_acceptance and acceptance is not None
+           else f"speculation is slower with confidence in bucket(s) "
+                f"{', '.join(batch_bucket_label(b) for b in loses)} and faster in none")
+    ests = [facts.verdicts[b][1] for b in loses]
+    return _Proposal(
+        "exclude_route", f"exclude route {route!r} from speculation",
+        {"kind": "exclude_route", "route": route}, _confidence(ests, cfg) if loses else "medium",
+        {"itl_change": None if not loses else round(1 / (_mean_speedup(facts.cells, set(loses), cfg) or 1), 4),
+         "share_of_route_traffic": round(_share(facts.cells, set(loses)), 4),
+         "text": "the route's requests run on the plain engine"},
+        {**facts.evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
+         "min_acceptance_rate": min_acc},
+        f"Exclude route {route!r}: {why}.")
+
+
+# --- batch-size threshold -----------------------------------------------------------------------------
+
+def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+    route, current, spec_now, verdicts = facts.route, facts.current, facts.spec_now, facts.verdicts
+    if current is None or not facts.loses:
+        return None
+    first_loss = min((b for b in facts.loses if spec_now.get(b)), default=None)
+    if first_loss is None:
+        return None
+    keep = [b for b in BATCH_BUCKETS if b < first_loss and spec_now.get(b)]
+    if not keep:
+        return None
+    # Down to the largest bucket that still wins, not to the one just below the loss: a bucket
+    # between them with no clear difference gives no reason to pay for drafting there, and
+    # the loss above says which way it leans. Where nothing below the loss wins (thin or
+    # unclear evidence), stop just below the loss and let more traffic decide the rest.
+    winning = [b for b in keep if facts.verdict_of(b) == "wins"]
+    new_max = bucket_upper(winning[-1] if winning else keep[-1])
+    dropped = {b for b in BATCH_BUCKETS if bucket_upper(b) > new_max and spec_now.get(b)}
+    unclear = sorted(b for b in dropped if b < first_loss and b in verdicts)
+    ests = [verdicts[b][1] for b in facts.loses if b in dropped]
+    sp = _mean_speedup(facts.cells, dropped, cfg)
+    loss = verdicts[first_loss][1]
+    return _Proposal(
+        "lower_threshold", f"lower route {route!r}'s batch threshold to {new_max}",
+        {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
+        {"batch_max": {"from": current, "to": new_max},
+         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
+         "share_of_route_traffic": round(_share(facts.cells, dropped), 4)},
+        facts.evidence,
+        f"Lower route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
+        f"slower with confidence from batch size {batch_bucket_label(first_loss)} "
+        f"(plain/speculative ITL {loss.ratio:.2f}, "  # type: ignore[union-attr]
+        f"{cfg.confidence:.0%} interval {loss.low:.2f}-"  # type: ignore[union-attr]
+        f"{loss.high:.2f})"  # type: ignore[union-attr]
+        + ("" if not unclear else
+           f"; in {', '.join(batch_bucket_label(b) for b in unclear)} it is not faster with "
+           "confidence")
+        + ".")
+
+
+def _largest_win_below_any_loss(facts: _RouteFacts) -> int | None:
+    target = None
+    for lower in BATCH_BUCKETS:
+        word = facts.verdict_of(lower)
+        if word == "loses":
+            break
+        if word == "wins":
+            target = lower
+    return target
+
+
+def _raise_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+    route, current, verdicts = facts.route, facts.current, facts.verdicts
+    target = _largest_win_below_any_loss(facts)
+    if target is None or current is None or bucket_upper(target) <= current:
+        return None
+    added = {b for b in BATCH_BUCKETS if b <= target and not facts.spec_now.get(b)}
+    if not added or not all(facts.verdict_of(b) == "wins" for b in added):
+        return None
+    new_max = bucket_upper(target)
+    ests = [verdicts[b][1] for b in added]
+    sp = _mean_speedup(facts.cells, added, cfg)
+    return _Proposal(
+        "raise_threshold", f"raise route {route!r}'s batch threshold to {new_max}",
+        {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
+        {"batch_max": {"from": current, "to": new_max},
+         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
+         "share_of_route_traffic": round(_share(facts.cells, added), 4)},
+        facts.evidence,
+        f"Raise route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
+        f"faster with confidence up to batch size {batch_bucket_label(target)} "
+        f"(plain/speculative ITL {', '.join(f'{verdicts[b][1].ratio:.2f}' for b in sorted(added))}).")  # type: ignore[union-attr]
+
+
+# --- draft length -------------------------------------------------------------------------------------
+
+def _change_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendConfig) -> _Proposal | None:
+    route, spec_all = facts.route, facts.spec_all
+    acceptance = spec_all.acceptance_rate
+    main = facts.main_speculative_cell()
+    if not facts.speculating or main is None or acceptance is None or spec_all.spec_reported < cfg.min_samples:
+        return None
+    k_now = main.k or 0
+    ratio = cost_ratio_of(main.method, cfg)
+    scores = {k: leviathan_speedup(acceptance, k, ratio) for k in range(1, cfg.max_k + 1)}
+    best = max(scores, key=lambda k: scores[k])
+    if best == k_now or not k_now or scores[best] < scores[k_now] * (1 + cfg.min_gain):
+        return None
+    configured = engines.get(main.engine or "")
+    engine_max = engine_k(configured) if configured is not None else 0
+    if best <= engine_max:
+        edit: dict[str, Any] = {"kind": "set_k", "route": route, "k": best}
+        where = f"on route {route!r}"
+    else:  # a rule cannot draft more than its engine is configured for
+        edit = {"kind": "set_engine_k", "route": route, "engine": main.engine, "k": best}
+        where = f"on engine {main.engine!r} (every route it serves; the engine restarts)"
+    return _Proposal(
+        "change_k", f"draft {best} tokens instead of {k_now} {where}", edit, "low",
+        {"theoretical_speedup": {"from": round(scores[k_now], 4), "to": round(scores[best], 4)},
+         "text": "from the Leviathan formula with the measured acceptance; not yet measured"},
+        {**facts.evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
+         "cost_ratio": ratio, "method": main.method},
+        f"Change k {where} from {k_now} to {best}: with measured acceptance "
+        f"{acceptance:.3f} the expected speedup moves from {scores[k_now]:.2f} to {scores[best]:.2f}.")
+
+
+# --- method -------------------------------------------------------------------------------------------
+
+def _switch_method(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+    route = facts.route
+    engines: dict[str, Cohort] = defaultdict(Cohort)
+    for cell in facts.cells:
+        for name, cohort in cell.engines.items():
+            engines[name].add(cohort)
+    measured = {n: c.moments("itl") for n, c in engines.items() if c.itl_count >= cfg.min_samples}
+    usable = {n: m for n, m in measured.items() if m is not None}
+    if not facts.speculating or len(usable) < 2:
+        return None
+    main = facts.main_speculative_cell()
+    current_engine = main.engine if main is not None else None
+    if current_engine not in usable:
+        return None
+    for other, m in sorted(usable.items()):
+        if other == current_engine:
+            continue
+        est = welch_ratio(usable[current_engine], m, cfg.confidence)  # current / other
+        if est.above_one:
+            return _Proposal(
+                "switch_method", f"switch route {route!r} to engine {other!r}",
+                {"kind": "set_engine", "route": route, "engine": other}, _confidence([est], cfg),
+                {"itl_ratio_current_over_new": _ratio_dict(est)},
+                {**facts.evidence, "engines": {n: {"requests": c.requests, "itl_p50": c.quantile("itl", .5),
+                                                   "acceptance_rate": c.acceptance_rate}
+                                               for n, c in sorted(engines.items())}},
+                f"Switch route {route!r} from {current_engine!r} to {other!r}: its ITL is lower by a "
+                f"factor {est.ratio:.2f} ({cfg.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}).")
+    return None
+
+
+# --- quality risk -------------------------------------------------------------------------------------
+
+def _quality_risk(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+    route, spec_all = facts.route, facts.spec_all
+    plain_all = Cohort()
+    for c in facts.cells:
+        plain_all.add(c.plain)
+    retry = _rate_difference(spec_all.retries + spec_all.fallbacks, spec_all.requests,
+                             plain_all.retries + plain_all.fallbacks, plain_all.requests, cfg.confidence)
+    validity = _validity_drop(spec_all, plain_all, cfg.confidence)
+    risks = []
+    if retry is not None and retry[1] > 0 and min(spec_all.requests, plain_all.requests) >= cfg.min_samples:
+        risks.append(f"retries and fallbacks per request are {retry[0]:+.3f} higher on the speculative path")
+    if validity is not None and validity[1] > 0 and min(spec_all.structured_checked,
+                                                      plain_all.structured_checked) >= cfg.min_samples:
+        risks.append(f"structured-output validity is {validity[0]:.3f} lower on the speculative path")
+    if not risks:
+        return None
+    return _Proposal(
+        "quality_risk", f"quality risk on route {route!r}", None, "medium",
+        {"text": "speculation may trade quality for latency here; investigate before widening it"},
+        {"retry_rate": {"speculative": spec_all.retry_rate, "plain": plain_all.retry_rate,
+                        "difference": None if retry is None else round(retry[0], 4)},
+         "fallback_rate": {"speculative": spec_all.fallback_rate, "plain": plain_all.fallback_rate},
+         "structured_validity": {"speculative": spec_all.structured_validity,
+                                 "plain": plain_all.structured_validity},
+         "requests": {"speculative": spec_all.requests, "plain": plain_all.requests}},
+        f"Quality risk on route {route!r}: {'; '.join(risks)}.")
 
 
 def engine_facts(document: Mapping[str, Any]) -> dict[str, tuple[str, int]]:

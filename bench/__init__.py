@@ -1,0 +1,1 @@
+"""Benchmarks of specgate against its goals and its peers; method, commands and results in BENCHMARKS.md."""

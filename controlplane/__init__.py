@@ -1,1 +1,1 @@
-"""specgate controlplane (built in a later issue)."""
+"""The control plane: a FastAPI service over SQL that keeps policies, rolls them out and distributes signed bundles."""

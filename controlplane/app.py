@@ -13,7 +13,6 @@ from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.analysis.endpoints import router as analysis_router
-from controlplane.analysis.evaluator import run_evaluator
 from controlplane.audit.endpoints import router as audit_router
 from controlplane.auth.endpoints import router as keys_router
 from controlplane.auth.endpoints import whoami_router
@@ -27,6 +26,7 @@ from controlplane.metrics import ControlPlaneMetrics
 from controlplane.models import FleetState
 from controlplane.policy.endpoints import router as policy_router
 from controlplane.rollout.endpoints import router as rollout_router
+from controlplane.rollout.evaluator import run_evaluator
 from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.endpoints import router as telemetry_router
 from controlplane.worker.endpoints import router as worker_router

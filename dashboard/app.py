@@ -28,12 +28,16 @@ def _sidebar() -> None:
         st.markdown("### specgate")
         if session is not None:
             st.markdown(f"Signed in as **{session.who.actor}** ({session.who.scope})  \n`{session.api.base_url}`")
-            if st.button("Sign out", key="sign_out"):
+            if st.button("Refresh data", key=ui.key("refresh"),
+                         help=f"pages show what the control plane answered up to {ui.READ_TTL_S} s ago"):
+                ui.invalidate()
+                st.rerun()
+            if st.button("Sign out", key=ui.key("sign_out")):
                 ui.sign_out()
                 st.rerun()
             return
-        with st.form("sign_in"):
-            url = st.text_input("Control plane URL", value=st.session_state.get("sg_api_url", cfg.api_url))
+        with st.form(ui.key("sign_in")):
+            url = st.text_input("Control plane URL", value=ui.signed_in_url(cfg.api_url))
             key = st.text_input("API key", type="password", placeholder="sgk_...")
             pressed = st.form_submit_button("Sign in", type="primary")
         if pressed:

@@ -9,7 +9,7 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-from dashboard.client import Rollout, RollupGroup, RollupReport
+from apiclient.models import Rollout, RollupGroup, RollupReport
 
 SPECULATIVE, PLAIN = "speculative", "plain"
 # Engine kinds keyed by (policy, engine); a rollup row whose pair is not known is judged by its decisions.

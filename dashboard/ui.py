@@ -1,23 +1,72 @@
-"""What every page shares: the signed-in client, roles, errors as messages, confirmed actions."""
+"""What every page shares: the signed-in client, cached reads, roles, errors as messages, confirmed actions.
+
+Every key the dashboard puts in ``st.session_state`` (its own values and its
+widgets') starts with :data:`PREFIX`: build them with :func:`key`.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import streamlit as st
 
-from dashboard.client import ApiClient, ApiError, Problem, WhoAmI
+from apiclient import ApiClient, ApiError, Call, Reply, calls
+from apiclient.models import Revision, WhoAmI
 from dashboard.settings import DashboardSettings
+from wire.problems import Problem
 
 T = TypeVar("T")
 
-_URL, _KEY, _WHO, _FLASH, _GENERATION = "sg_api_url", "sg_api_key", "sg_who", "sg_flash", "sg_form_generation"
+PREFIX = "sg_"
+# Reads are shared by every browser session with the same key for this long; a change made through the
+# dashboard drops them at once, a change made elsewhere shows after at most this (or "Refresh data").
+READ_TTL_S = 10
+# Revisions never change (their id is the hash of their content): kept an hour.
+REVISION_TTL_S = 3600
 
 OPERATE_SCOPES = ("admin", "operator")
 EDIT_SCOPES = ("admin",)
+
+
+def key(*parts: object) -> str:
+    """The session-state key of one of the dashboard's values or widgets."""
+    return PREFIX + "_".join(str(p) for p in parts)
+
+
+_URL, _KEY, _WHO, _SIGNED_OUT = key("api_url"), key("api_key"), key("who"), key("signed_out")
+_FLASH, _GENERATION = key("flash"), key("form_generation")
+
+
+def _close(api: ApiClient) -> None:
+    api.close()
+
+
+# One client per browser session and control plane + key: its connections are reused from rerun to rerun,
+# and closed when the session signs out, signs in elsewhere, or ends.
+@st.cache_resource(scope="session", max_entries=4, on_release=_close, show_spinner=False)
+def _client(base_url: str, api_key: str, timeout_s: float) -> ApiClient:
+    return ApiClient(base_url, api_key, timeout_s=timeout_s)
+
+
+# The key's digest (not the key) tells one key's reads from another's; the client and the call are not
+# hashed (the call is named by `what`).
+@st.cache_data(ttl=READ_TTL_S, max_entries=2000, show_spinner=False)
+def _read(base_url: str, key_digest: str, what: str, _api: ApiClient, _call: Call[Any]) -> Any:
+    return _api.send(_call).data
+
+
+@st.cache_data(ttl=REVISION_TTL_S, max_entries=500, show_spinner=False)
+def _read_revision(base_url: str, key_digest: str, revision_id: str, _api: ApiClient) -> Revision:
+    return _api.send(calls.revision(revision_id)).data
+
+
+def invalidate() -> None:
+    """Drop every cached read (revisions stay: they never change)."""
+    _read.clear()
 
 
 @dataclass(frozen=True)
@@ -25,6 +74,7 @@ class Session:
     api: ApiClient
     who: WhoAmI
     settings: DashboardSettings
+    key_digest: str
 
     @property
     def can_operate(self) -> bool:
@@ -35,6 +85,30 @@ class Session:
     def can_edit(self) -> bool:
         """Policy documents: new policies and revisions."""
         return self.who.scope in EDIT_SCOPES
+
+    def read(self, call: Call[T]) -> T:
+        """A GET, answered from the cache when it is fresh."""
+        assert call.endpoint.method == "GET", call.key
+        return cast(T, _read(self.api.base_url, self.key_digest, call.key, self.api, call))
+
+    def revision(self, revision_id: str) -> Revision:
+        return _read_revision(self.api.base_url, self.key_digest, revision_id, self.api)
+
+    def check(self, call: Call[T]) -> T:
+        """A call that computes without storing anything (validate, evaluate, what-if): never cached."""
+        return self.api.send(call).data
+
+    def change(self, call: Call[T]) -> Reply[T]:
+        """A change, with its status: every cached read is dropped afterwards, refused or not (a refusal
+        often means the page showed something out of date)."""
+        try:
+            return self.api.send(call)
+        finally:
+            invalidate()
+
+    def write(self, call: Call[T]) -> T:
+        """A change (see :meth:`change`), answering what it made."""
+        return self.change(call).data
 
 
 def settings() -> DashboardSettings:
@@ -65,40 +139,58 @@ def call(fn: Callable[[], T]) -> T | None:
         return None
 
 
-def sign_in(url: str, key: str) -> Problem | None:
+def _digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _release(url: str, api_key: str) -> None:
+    _client.clear(url, api_key, settings().timeout_s)
+
+
+def sign_in(url: str, api_key: str) -> Problem | None:
     """Check the key against the control plane and keep it for this browser session."""
-    cfg = settings()
-    api = ApiClient(url, key.strip(), timeout_s=cfg.timeout_s)
+    api_key = api_key.strip()
+    api = _client(url, api_key, settings().timeout_s)
     try:
-        who = api.whoami()
+        who = api.send(calls.whoami()).data
     except ApiError as exc:
+        _release(url, api_key)
         return exc.problem
-    finally:
-        api.close()
-    st.session_state[_URL], st.session_state[_KEY] = url, key.strip()
+    if _KEY in st.session_state and (st.session_state[_URL], st.session_state[_KEY]) != (url, api_key):
+        _release(st.session_state[_URL], st.session_state[_KEY])
+    st.session_state[_URL], st.session_state[_KEY] = url, api_key
     st.session_state[_WHO] = who.model_dump()
-    st.session_state.pop("sg_signed_out", None)
+    st.session_state.pop(_SIGNED_OUT, None)
     return None
 
 
 def sign_out() -> None:
+    if _KEY in st.session_state:
+        _release(st.session_state[_URL], st.session_state[_KEY])
     for name in (_KEY, _WHO):
         st.session_state.pop(name, None)
-    st.session_state["sg_signed_out"] = True
+    st.session_state[_SIGNED_OUT] = True
+
+
+def signed_in_url(default: str) -> str:
+    """The control plane this session last signed in to (the sign-in form starts there)."""
+    url: str = st.session_state.get(_URL, default)
+    return url
 
 
 def current() -> Session | None:
     """The signed-in session, signing in with the configured key on first use; None when nobody is."""
     cfg = settings()
-    if _WHO not in st.session_state and cfg.api_key and not st.session_state.get("sg_signed_out"):
+    if _WHO not in st.session_state and cfg.api_key and not st.session_state.get(_SIGNED_OUT):
         problem = sign_in(st.session_state.get(_URL, cfg.api_url), cfg.api_key)
         if problem is not None:
             show_problem(problem)
             return None
     if _WHO not in st.session_state:
         return None
-    api = ApiClient(st.session_state[_URL], st.session_state[_KEY], timeout_s=cfg.timeout_s)
-    return Session(api, WhoAmI.model_validate(st.session_state[_WHO]), cfg)
+    url, api_key = st.session_state[_URL], st.session_state[_KEY]
+    return Session(_client(url, api_key, cfg.timeout_s), WhoAmI.model_validate(st.session_state[_WHO]), cfg,
+                   _digest(api_key))
 
 
 def require_session() -> Session:
@@ -138,12 +230,12 @@ def confirmed(form_key: str, *, what: str, button: str, disabled: bool,
     ``extra`` draws further inputs inside the form (read them from session state by their keys).
     """
     generation = st.session_state.get(_GENERATION, 0)
-    with st.form(form_key, clear_on_submit=False, border=True):
+    with st.form(key(form_key), clear_on_submit=False, border=True):
         if extra is not None:
             extra()
-        reason = st.text_input("Reason (goes to the audit log)", key=f"{form_key}_reason_{generation}",
+        reason = st.text_input("Reason (goes to the audit log)", key=key(form_key, "reason", generation),
                                disabled=disabled)
-        sure = st.checkbox(f"I confirm: {what}", key=f"{form_key}_confirm_{generation}", disabled=disabled)
+        sure = st.checkbox(f"I confirm: {what}", key=key(form_key, "confirm", generation), disabled=disabled)
         pressed = st.form_submit_button(button, disabled=disabled, type="primary")
     if not pressed:
         return None

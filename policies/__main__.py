@@ -14,6 +14,7 @@ from typing import Any
 from policies.bundle import canonical_document, canonical_json, revision_id
 from policies.errors import PolicyValidationError, RequestShapeError
 from policies.evaluate import compile_policy
+from policies.jsonschema import schema_text
 from policies.model import PolicyDocument
 from policies.render import (
     DEFAULT_MAX_NUM_SEQS,
@@ -77,6 +78,11 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schema(args: argparse.Namespace) -> int:
+    sys.stdout.write(schema_text())
+    return 0
+
+
 def _shell_quote(arg: str) -> str:
     return arg if arg.replace("-", "").replace("_", "").isalnum() else "'" + arg.replace("'", "'\\''") + "'"
 
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", action="store_true", help="compile batch-size rules into the engine")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.set_defaults(run=_cmd_render)
+    p = sub.add_parser("schema", help="print the JSON Schema of a policy document (for editors)")
+    p.set_defaults(run=_cmd_schema)
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)

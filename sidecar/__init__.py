@@ -1,1 +1,1 @@
-"""specgate sidecar (built in a later issue)."""
+"""The sidecar: an OpenAI-compatible proxy beside a worker's engines that picks, per request, the engine to serve it."""

@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -34,7 +35,7 @@ from controlplane.auth.schemas import Scope
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
 from specgate import stack as devstack
-from testbed.engines import process_start_ticks
+from testbed.engines import ports_for, process_start_ticks
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "policies" / "examples"
 # (file, pool): the seed policy serves every pool without a policy of its own.
@@ -171,63 +172,26 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
     url = os.environ.get("SPECGATE_DATABASE_URL") or f"sqlite:///{(data_dir / 'specgate.db').resolve()}"
     settings = ControlPlaneSettings(database_url=url)
     _free_or_exit(host, port, "control plane", "--port")
-    variants: list[str] = []
-    if not no_engines:
-        try:
-            variants, why = devstack.choose_engines(engines, devstack.mem_available_gib())
-        except ValueError as exc:
-            typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
-            raise typer.Exit(2) from None
-        from testbed.engines import ports_for
-
-        for name, engine_port_ in ports_for(variants, engine_port).items():
-            _free_or_exit("127.0.0.1", engine_port_, f"engine {name}", "--engine-port")
-        _free_or_exit(host, sidecar_port, "sidecar", "--sidecar-port")
+    variants, why = ([], "") if no_engines else _choose_engines_or_exit(engines, engine_port, host, sidecar_port)
+    plan = _Plan(data_dir=data_dir, database_url=url, host=host, dashboard_port=dashboard_port,
+                 with_engines=not no_engines, variants=variants, why=why, engine_port=engine_port,
+                 sidecar_port=sidecar_port, traffic=traffic, engine_starter=engine_starter,
+                 base=f"http://{host}:{port}")
     stack = devstack.Stack(data_dir=data_dir.resolve(), say=_say)
     leftovers = stack.reap_leftovers()
     if leftovers:
         _say(f"stopped what an earlier `specgate up` left running: {', '.join(leftovers)}")
     upgrade(url)
-    stamp = int(time.time())
-    wanted = {f"make-run-{stamp}": Scope.admin}
-    if not no_engines:
-        wanted[f"make-run-sidecar-{stamp}"] = Scope.worker
-    keys = mint_keys(url, wanted, created_by="cli:make-run")
-    token = keys[f"make-run-{stamp}"]
-    worker_token = keys.get(f"make-run-sidecar-{stamp}")
+    token, worker_token = _mint_keys(url, with_worker=plan.with_engines)
 
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="control-plane", daemon=True)
-    base = f"http://{host}:{port}"
     exit_code = 0
     with _stop_signals():
         try:
             thread.start()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-            else:
-                raise devstack.StartupError("the control plane did not become ready in 30 s")
-            loaded = _load_examples(base, token)
-            lines: list[tuple[str, str]] = []
-            if not no_engines:
-                assert worker_token is not None
-                _say(f"the control plane answers at {base} (admin key {token}); engines: {', '.join(variants)} ({why})")
-                lines, testbed_line = _start_testbed(stack, data_dir.resolve(), base, token, worker_token,
-                                                     variants, engine_port, host, sidecar_port, traffic,
-                                                     engine_starter)
-                loaded.append(testbed_line)
-            dashboard, dashboard_line = _start_dashboard(host, dashboard_port, base, token,
-                                                         log=None if no_engines else data_dir / "dashboard.log")
-            if dashboard is not None:
-                stack.add(devstack.Child("dashboard", dashboard, None, own_group=False,
-                                         start_ticks=process_start_ticks(dashboard.pid)))
-            typer.echo(_banner(base, dashboard_line, url, loaded, token, lines))
+            _wait_ready(plan.base)
+            typer.echo(_start_parts(plan, stack, token, worker_token))
             _watch(thread, stack)
         except KeyboardInterrupt:
             typer.echo("stopping...")
@@ -236,25 +200,94 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
             typer.echo("stopping what was started...")
             exit_code = 1
         finally:
-            with _signals_deferred():
-                stack.stop()
-                server.should_exit = True
-                if thread.is_alive():
-                    thread.join(10)
+            _stop(stack, server, thread)
     if exit_code:
         raise typer.Exit(exit_code)
 
 
-def _start_testbed(stack: devstack.Stack, data_dir: Path, base: str, token: str, worker_token: str,
-                   variants: list[str], engine_port: int, host: str, sidecar_port: int, traffic: bool,
-                   engine_starter: str) -> tuple[list[tuple[str, str]], str]:
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What ``up`` starts after the control plane, decided (and its ports checked) before anything starts."""
+
+    data_dir: Path  # as given; the testbed's parts get it resolved
+    database_url: str
+    host: str
+    dashboard_port: int
+    with_engines: bool
+    variants: list[str]  # engine variants to start (none without engines)
+    why: str  # why these variants
+    engine_port: int
+    sidecar_port: int
+    traffic: bool
+    engine_starter: str
+    base: str  # the control plane's URL
+
+
+# --- start-up steps -----------------------------------------------------------------------------------
+
+def _choose_engines_or_exit(engines: str, engine_port: int, host: str, sidecar_port: int) -> tuple[list[str], str]:
+    """The engine variants to start and why; exits (2) on an unknown variant or a port already in use."""
+    try:
+        variants, why = devstack.choose_engines(engines, devstack.mem_available_gib())
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from None
+    for name, engine_port_ in ports_for(variants, engine_port).items():
+        _free_or_exit("127.0.0.1", engine_port_, f"engine {name}", "--engine-port")
+    _free_or_exit(host, sidecar_port, "sidecar", "--sidecar-port")
+    return variants, why
+
+
+def _mint_keys(url: str, *, with_worker: bool) -> tuple[str, str | None]:
+    """A fresh admin key, and a worker key for the sidecar when there is one to start."""
+    stamp = int(time.time())
+    wanted = {f"make-run-{stamp}": Scope.admin}
+    if with_worker:
+        wanted[f"make-run-sidecar-{stamp}"] = Scope.worker
+    keys = mint_keys(url, wanted, created_by="cli:make-run")
+    return keys[f"make-run-{stamp}"], keys.get(f"make-run-sidecar-{stamp}")
+
+
+def _wait_ready(base: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise devstack.StartupError("the control plane did not become ready in 30 s")
+
+
+def _start_parts(plan: _Plan, stack: devstack.Stack, token: str, worker_token: str | None) -> str:
+    """Everything after the control plane: example policies, the testbed, the dashboard; the banner to print."""
+    loaded = _load_examples(plan.base, token)
+    lines: list[tuple[str, str]] = []
+    if plan.with_engines:
+        assert worker_token is not None
+        _say(f"the control plane answers at {plan.base} (admin key {token}); engines: {', '.join(plan.variants)} "
+             f"({plan.why})")
+        lines, testbed_line = _start_testbed(plan, stack, token, worker_token)
+        loaded.append(testbed_line)
+    dashboard, dashboard_line = _start_dashboard(plan.host, plan.dashboard_port, plan.base, token,
+                                                 log=plan.data_dir / "dashboard.log" if plan.with_engines else None)
+    if dashboard is not None:
+        stack.add(devstack.Child("dashboard", dashboard, None, own_group=False,
+                                 start_ticks=process_start_ticks(dashboard.pid)))
+    return _banner(plan.base, dashboard_line, plan.database_url, loaded, token, lines)
+
+
+def _start_testbed(plan: _Plan, stack: devstack.Stack, token: str,
+                   worker_token: str) -> tuple[list[tuple[str, str]], str]:
     """Engines, the fitted testbed policy, the sidecar and the traffic; (banner lines, policy line)."""
+    data_dir, base = plan.data_dir.resolve(), plan.base
     logs = data_dir / "logs"
-    starter = devstack.load_engine_starter(engine_starter, data_dir / "engines")
+    starter = devstack.load_engine_starter(plan.engine_starter, data_dir / "engines")
     t0 = time.monotonic()
-    urls = stack.start_engines(starter, variants, engine_port)
+    urls = stack.start_engines(starter, plan.variants, plan.engine_port)
     policy_line = _load_testbed_policy(base, token, list(urls))
-    listen = f"{host}:{sidecar_port}"
+    listen = f"{plan.host}:{plan.sidecar_port}"
     sidecar_url = f"http://{listen}"
     child = stack.add(devstack.spawn("sidecar", devstack.sidecar_command(
         api_url=base, worker_key=worker_token, engine_urls=urls, listen=listen, pool=devstack.TESTBED_POOL,
@@ -264,7 +297,7 @@ def _start_testbed(stack: devstack.Stack, data_dir: Path, base: str, token: str,
     lines = [(f"engine {name}", url) for name, url in urls.items()]
     lines.append(("sidecar", f"{sidecar_url}/v1  (OpenAI-compatible; worker {listen}, pool "
                              f"{devstack.TESTBED_POOL})"))
-    if traffic:
+    if plan.traffic:
         stack.add(devstack.spawn("loadgen", devstack.loadgen_command(
             sidecar_url, corpus_seed=devstack.corpus_seed(), seed=int(time.time()) % 100_000),
             logs / "loadgen.log"))
@@ -289,6 +322,8 @@ def _banner(base: str, dashboard_line: str, url: str, loaded: list[str], token: 
     return text + "Ctrl-C stops everything this command started.\n"
 
 
+# --- running, and the shutdown ------------------------------------------------------------------------
+
 def _watch(thread: threading.Thread, stack: devstack.Stack) -> None:
     """Until Ctrl-C: keep serving; say once when a part dies on its own."""
     reported: set[str] = set()
@@ -299,3 +334,12 @@ def _watch(thread: threading.Thread, stack: devstack.Stack) -> None:
                 reported.add(child.name)
                 where = f"; log {child.log}" if child.log else ""
                 _say(f"warning: {child.name} exited with {child.process.returncode}{where}")
+
+
+def _stop(stack: devstack.Stack, server: uvicorn.Server, thread: threading.Thread) -> None:
+    """Every part this command started, then the control plane; a second Ctrl-C waits for it."""
+    with _signals_deferred():
+        stack.stop()
+        server.should_exit = True
+        if thread.is_alive():
+            thread.join(10)

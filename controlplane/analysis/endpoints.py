@@ -1,21 +1,19 @@
+"""The analysis API: summaries, speedups, cells, before/after, recommendations and what-if."""
+
 from __future__ import annotations
 
 import datetime as dt
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, Path, Query
 
 from analysis.recommend import Recommendation, RecommendConfig
 from controlplane.analysis import service
-from controlplane.analysis.evaluator import evaluate_now
 from controlplane.analysis.schemas import (
     NO_CONTROL,
     AppliedRecommendation,
     BeforeAfterReport,
     CellsExport,
-    GuardrailEvaluationRead,
-    GuardrailHistory,
     RecommendationList,
     RecommendationRead,
     SpeedupReport,
@@ -25,9 +23,7 @@ from controlplane.analysis.schemas import (
     WhatIfRequest,
     Window,
 )
-from controlplane.auth.dependencies import ADMIN, OPERATE, READ, require
-from controlplane.auth.service import Principal
-from controlplane.db import unit_of_work
+from controlplane.deps import Admin, Reader, SessionDep
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, ValidationFailed, problems
 from controlplane.models import utcnow
 from controlplane.telemetry.endpoints import parse_group_by, parse_utc
@@ -35,9 +31,6 @@ from controlplane.telemetry.repository import RollupFilter
 
 router = APIRouter(responses=AUTH_RESPONSES)
 
-Reader = Annotated[Principal, Depends(require(*READ))]
-Operator = Annotated[Principal, Depends(require(*OPERATE))]
-Admin = Annotated[Principal, Depends(require(*ADMIN))]
 Text = Annotated[str | None, Query(max_length=128, pattern=NO_CONTROL)]
 PolicyParam = Annotated[str, Query(min_length=1, max_length=63, pattern=NO_CONTROL, description="a policy's name")]
 From = Annotated[str | None, Query(alias="from", max_length=64, json_schema_extra={"format": "date-time"},
@@ -48,7 +41,6 @@ Confidence = Annotated[float, Query(ge=0.5, le=0.999, description="level of the 
 MinSamples = Annotated[int, Query(ge=2, le=10_000_000, description="requests per cohort before a bucket counts")]
 CostRatio = Annotated[float | None, Query(ge=0, le=10, description="draft/target cost per token for the theory "
                                                                    "column; default by method")]
-RolloutId = Annotated[str, Path(max_length=64, pattern=NO_CONTROL)]
 RecommendationId = Annotated[str, Path(min_length=1, max_length=64, pattern=NO_CONTROL)]
 
 _NOT_FOUND = problems({404: "no such policy, rollout or revision"})
@@ -77,22 +69,21 @@ def _group_by(values: list[str]) -> list[SummaryGroup]:
                         "error and structured-output validity rates, per any of route, engine, batch_bucket, "
                         "policy, revision, explored (and time window), from the rollups. group_by=worker gives "
                         "per-worker means from the raw events instead.")
-def summary(request: Request, _: Reader, policy: Text = None, revision: Text = None, route: Text = None,
+def summary(session: SessionDep, _: Reader, policy: Text = None, revision: Text = None, route: Text = None,
             engine: Text = None, explored: bool | None = None, start: From = None, end: To = None,
             group_by: Annotated[list[str], Query(max_length=20, description="repeat, or comma-separate")] = [],  # noqa: B006
             window: Window | None = None,
             limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> SummaryReport:
     groups = _group_by(group_by or ["route", "engine", "batch_bucket"])
     a, b = _window(start, end)
-    with unit_of_work(request.app.state.sessions) as session:
-        if groups == [SummaryGroup.worker]:
-            workers = service.worker_summaries(session, policy=policy, route=route, start=a, end=b, limit=limit)
-            return SummaryReport(group_by=["worker"], window=None, rows=[],
-                                 workers=workers, truncated=len(workers) >= limit)
-        flt = RollupFilter(policy=policy, revision=revision, route=route, engine=engine, explored=explored,
-                           start=a, end=b)
-        rows, truncated = service.summaries(session, flt, [g.value for g in groups],
-                                            window.value if window else None, limit)
+    if groups == [SummaryGroup.worker]:
+        workers = service.worker_summaries(session, policy=policy, route=route, start=a, end=b, limit=limit)
+        return SummaryReport(group_by=["worker"], window=None, rows=[],
+                             workers=workers, truncated=len(workers) >= limit)
+    flt = RollupFilter(policy=policy, revision=revision, route=route, engine=engine, explored=explored,
+                       start=a, end=b)
+    rows, truncated = service.summaries(session, flt, [g.value for g in groups],
+                                        window.value if window else None, limit)
     return SummaryReport(group_by=[g.value for g in groups], window=window, rows=rows,
                          truncated=truncated)
 
@@ -103,18 +94,17 @@ def summary(request: Request, _: Reader, policy: Text = None, revision: Text = N
                         "intervals on log latency and the sample sizes, from the holdout (explored requests) or, "
                         "with `rollout`, from that rollout's two cohorts; a Leviathan theory column with the "
                         "measured acceptance. Thin cells say `insufficient evidence`.")
-def speedups(request: Request, _: Reader, policy: PolicyParam, start: From = None, end: To = None,
+def speedups(session: SessionDep, _: Reader, policy: PolicyParam, start: From = None, end: To = None,
              route: Text = None, rollout: Text = None, confidence: Confidence = 0.95, min_samples: MinSamples = 100,
              cost_ratio: CostRatio = None) -> SpeedupReport:
     a, b = _window(start, end)
     cfg = RecommendConfig(confidence=confidence, min_samples=min_samples, cost_ratio=cost_ratio)
-    with unit_of_work(request.app.state.sessions) as session:
-        if rollout is not None:
-            cells = service.rollout_cells(session, rollout, now=utcnow())
-            cells = [c for c in cells if route is None or c.route == route]
-        else:
-            cells = service.cells(session, policy, start=a, end=b, route=route)
-        rows = service.speedups(cells, cfg)
+    if rollout is not None:
+        cells = service.rollout_cells(session, rollout, now=utcnow())
+        cells = [c for c in cells if route is None or c.route == route]
+    else:
+        cells = service.cells(session, policy, start=a, end=b, route=route)
+    rows = service.speedups(cells, cfg)
     return SpeedupReport(policy=policy, rollout=rollout, start=a, end=b, confidence=confidence,
                          min_samples=min_samples, rows=rows)
 
@@ -123,11 +113,10 @@ def speedups(request: Request, _: Reader, policy: PolicyParam, start: From = Non
             responses={**_NOT_FOUND, **INVALID_RESPONSE},
             description="The per-route, per-bucket statistics the recommender reads (counters and histograms of "
                         "the speculative and plain cohorts), to feed the recommender offline.")
-def export_cells(request: Request, _: Reader, policy: PolicyParam, start: From = None, end: To = None,
+def export_cells(session: SessionDep, _: Reader, policy: PolicyParam, start: From = None, end: To = None,
                  route: Text = None) -> CellsExport:
     a, b = _window(start, end)
-    with unit_of_work(request.app.state.sessions) as session:
-        cells = service.cells(session, policy, start=a, end=b, route=route)
+    cells = service.cells(session, policy, start=a, end=b, route=route)
     return CellsExport(policy=policy, start=a, end=b, cells=[c.to_dict() for c in cells])
 
 
@@ -135,13 +124,12 @@ def export_cells(request: Request, _: Reader, policy: PolicyParam, start: From =
             responses={**_NOT_FOUND, **INVALID_RESPONSE},
             description="p50/p95 ITL and e2e, retries and acceptance per route for two revisions over one window: "
                         "a rollout's (its life), or the policy, from_revision, to_revision and window given.")
-def before_after(request: Request, _: Reader, rollout: Text = None, policy: Text = None,
+def before_after(session: SessionDep, _: Reader, rollout: Text = None, policy: Text = None,
                  from_revision: Text = None, to_revision: Text = None, start: From = None,
                  end: To = None) -> BeforeAfterReport:
     a, b = _window(start, end)
-    with unit_of_work(request.app.state.sessions) as session:
-        report = service.before_after(session, rollout_id=rollout, policy_name=policy, from_revision=from_revision,
-                                      to_revision=to_revision, start=a, end=b, now=utcnow())
+    report = service.before_after(session, rollout_id=rollout, policy_name=policy, from_revision=from_revision,
+                                  to_revision=to_revision, start=a, end=b, now=utcnow())
     return BeforeAfterReport.model_validate(report)
 
 
@@ -153,13 +141,12 @@ def _read(rec: Recommendation) -> RecommendationRead:
             responses={**_NOT_FOUND, **problems({409: "the policy has no active revision"}), **INVALID_RESPONSE},
             description="Rule edits for the policy's active revision, each with evidence, expected effect and "
                         "confidence: batch thresholds, route exclusions, k and method changes; quality-risk flags.")
-def list_recommendations(request: Request, _: Reader, policy: PolicyParam, start: From = None, end: To = None,
+def list_recommendations(session: SessionDep, _: Reader, policy: PolicyParam, start: From = None, end: To = None,
                          confidence: Confidence = 0.95, min_samples: MinSamples = 100,
                          cost_ratio: CostRatio = None) -> RecommendationList:
     a, b = _window(start, end)
     cfg = RecommendConfig(confidence=confidence, min_samples=min_samples, cost_ratio=cost_ratio)
-    with unit_of_work(request.app.state.sessions) as session:
-        revision, recs = service.list_recommendations(session, policy, start=a, end=b, cfg=cfg)
+    revision, recs = service.list_recommendations(session, policy, start=a, end=b, cfg=cfg)
     return RecommendationList(policy=policy, revision=revision.id, start=a, end=b,
                               recommendations=[_read(r) for r in recs])
 
@@ -171,17 +158,15 @@ def list_recommendations(request: Request, _: Reader, policy: PolicyParam, start
                         **INVALID_RESPONSE},
              description="Create a draft revision (not active) with the recommendation's edit and a message citing "
                          "its evidence. Pass the same policy, window and parameters as the listing.")
-def apply(recommendation_id: RecommendationId, request: Request, who: Admin, policy: PolicyParam,
+def apply(recommendation_id: RecommendationId, session: SessionDep, who: Admin, policy: PolicyParam,
           start: From = None, end: To = None, confidence: Confidence = 0.95, min_samples: MinSamples = 100,
           cost_ratio: CostRatio = None) -> AppliedRecommendation:
     a, b = _window(start, end)
     cfg = RecommendConfig(confidence=confidence, min_samples=min_samples, cost_ratio=cost_ratio)
-    with unit_of_work(request.app.state.sessions) as session:
-        revision, rec = service.apply_recommendation(session, recommendation_id, policy_name=policy, start=a,
-                                                     end=b, cfg=cfg, actor=who.actor)
-        out = AppliedRecommendation(recommendation=_read(rec), revision=revision.id, seq=revision.seq,
-                                    message=revision.message)
-    return out
+    revision, rec = service.apply_recommendation(session, recommendation_id, policy_name=policy, start=a,
+                                                 end=b, cfg=cfg, actor=who.actor)
+    return AppliedRecommendation(recommendation=_read(rec), revision=revision.id, seq=revision.seq,
+                                 message=revision.message)
 
 
 @router.post("/v1/analysis/what-if", response_model=WhatIfReport, tags=["analysis"],
@@ -190,14 +175,13 @@ def apply(recommendation_id: RecommendationId, request: Request, who: Admin, pol
              description="Score a candidate revision (or document) on a recorded window: every recorded request "
                          "shape is decided again with the candidate, latency estimated from the measured "
                          "per-bucket numbers.")
-def what_if(body: WhatIfRequest, request: Request, _: Reader) -> WhatIfReport:
+def what_if(body: WhatIfRequest, session: SessionDep, _: Reader) -> WhatIfReport:
     a, b = _aware(body.start, "from"), _aware(body.end, "to")
     if a is not None and b is not None and b <= a:
         raise ValidationFailed("`to` must be after `from`", errors=[
             {"path": "to", "in": "body", "code": "empty_window", "message": "must be after `from`"}])
-    with unit_of_work(request.app.state.sessions) as session:
-        report = service.what_if(session, body.policy, revision=body.revision, document=body.document,
-                                 start=a, end=b)
+    report = service.what_if(session, body.policy, revision=body.revision, document=body.document,
+                             start=a, end=b)
     return WhatIfReport.model_validate(report)
 
 
@@ -210,27 +194,3 @@ def _aware(when: dt.datetime | None, name: str) -> dt.datetime | None:
     except OverflowError:
         raise ValidationFailed(f"`{name}` is out of range in UTC", errors=[
             {"path": name, "in": "body", "code": "out_of_range", "message": "is out of range in UTC"}]) from None
-
-
-# --- guardrails of rollouts ----------------------------------------------------------------------
-
-@router.get("/v1/rollouts/{rollout_id}/guardrails", response_model=GuardrailHistory, tags=["rollouts"],
-            responses={**_NOT_FOUND, **INVALID_RESPONSE},
-            description="The guardrail evaluations of a rollout's steps, newest first: each guardrail's status, "
-                        "observed value, always-valid interval and p-value, and what the evaluation did.")
-def guardrails(rollout_id: RolloutId, request: Request, _: Reader,
-               limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> GuardrailHistory:
-    with unit_of_work(request.app.state.sessions) as session:
-        rows = service.guardrail_history(session, rollout_id, limit)
-        state = service.rollout_state(session, rollout_id)
-        return GuardrailHistory(rollout_id=rollout_id, state=state,
-                                evaluations=[GuardrailEvaluationRead.model_validate(r) for r in rows])
-
-
-@router.post("/v1/rollouts/{rollout_id}/guardrails/evaluate", response_model=GuardrailEvaluationRead,
-             tags=["rollouts"],
-             responses={**_NOT_FOUND, **problems({409: "the rollout is not running"}), **INVALID_RESPONSE},
-             description="Evaluate the current step's guardrails now (as the background evaluator does): a breach "
-                         "rolls the rollout back, audited with its evidence.")
-async def evaluate(rollout_id: RolloutId, request: Request, who: Operator) -> GuardrailEvaluationRead:
-    return await run_in_threadpool(evaluate_now, request.app, rollout_id, who.actor)

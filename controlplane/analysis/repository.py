@@ -1,4 +1,4 @@
-"""Every SQL statement of the analysis: revision documents, recorded request shapes, guardrail evaluations.
+"""Every SQL statement of the analysis: policies, revision documents, recorded request shapes.
 
 Latency figures come from the telemetry rollups (``controlplane.telemetry``);
 the raw events are read here only where a question needs what rollups do not
@@ -15,15 +15,7 @@ from typing import Any
 from sqlalchemy import Float, and_, case, cast, func, literal_column, select
 from sqlalchemy.orm import Session
 
-from controlplane.models import (
-    FleetState,
-    GuardrailEvaluation,
-    Policy,
-    Revision,
-    Rollout,
-    RolloutStep,
-    TelemetryEventRecord,
-)
+from controlplane.models import Policy, Revision, Rollout, TelemetryEventRecord
 
 E = TelemetryEventRecord
 
@@ -71,21 +63,10 @@ class AnalysisRepository:
                                     .where(Revision.policy_id == policy_id, Revision.id.in_(set(revision_ids))))
         return {rid: doc for rid, doc in rows}
 
-    def generation(self) -> int:
-        return int(self.session.scalar(select(FleetState.generation).where(FleetState.id == 1)) or 0)
-
     # -- rollouts --------------------------------------------------------------------------------
 
     def rollout(self, rollout_id: str) -> Rollout | None:
         return self.session.get(Rollout, rollout_id)
-
-    def running_rollouts(self) -> list[str]:
-        return list(self.session.scalars(select(Rollout.id).where(Rollout.state == "running")
-                                         .order_by(Rollout.created_at)))
-
-    def step(self, rollout_id: str, position: int) -> RolloutStep | None:
-        return self.session.scalar(select(RolloutStep).where(RolloutStep.rollout_id == rollout_id,
-                                                             RolloutStep.position == position))
 
     # -- raw events --------------------------------------------------------------------------------
 
@@ -158,15 +139,3 @@ class AnalysisRepository:
                         cast(func.avg(E.e2e_ms), Float).label("e2e_ms_mean"))
                  .where(*conds).group_by(E.worker_id).order_by(E.worker_id).limit(limit))
         return [dict(row._mapping) for row in self.session.execute(query)]
-
-    # -- guardrail evaluations ---------------------------------------------------------------------
-
-    def add_evaluation(self, evaluation: GuardrailEvaluation) -> GuardrailEvaluation:
-        self.session.add(evaluation)
-        self.session.flush()
-        return evaluation
-
-    def evaluations(self, rollout_id: str, limit: int) -> list[GuardrailEvaluation]:
-        return list(self.session.scalars(
-            select(GuardrailEvaluation).where(GuardrailEvaluation.rollout_id == rollout_id)
-            .order_by(GuardrailEvaluation.evaluated_at.desc(), GuardrailEvaluation.id.desc()).limit(limit)))

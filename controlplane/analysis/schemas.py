@@ -1,3 +1,5 @@
+"""Request and response models of the analysis API: summaries, speedups, recommendations, what-if."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -26,7 +28,9 @@ class Window(StrEnum):
     day = "day"
 
 
-class Quantiles(BaseModel):
+class SummaryQuantiles(BaseModel):
+    """The median and 95th percentile of a summary row's latency (telemetry rollups report p99 as well)."""
+
     p50: float | None
     p95: float | None
 
@@ -36,9 +40,9 @@ class SummaryRow(BaseModel):
     requests: int
     acceptance_rate: float | None = Field(description="accepted / drafted tokens")
     mean_acceptance_length: float | None = Field(description="tokens per target step: 1 + accepted / steps")
-    ttft_ms: Quantiles
-    itl_ms: Quantiles
-    e2e_ms: Quantiles
+    ttft_ms: SummaryQuantiles
+    itl_ms: SummaryQuantiles
+    e2e_ms: SummaryQuantiles
     retry_rate: float | None = Field(description="retries per request")
     fallback_rate: float | None
     error_rate: float | None
@@ -192,34 +196,3 @@ class WhatIfReport(BaseModel):
     method: str
 
     model_config = ConfigDict(populate_by_name=True)
-
-
-class CheckRead(BaseModel):
-    guardrail: str
-    status: str = Field(description="pass, breach or pending")
-    limit: float | None
-    observed: float | None
-    interval: list[float] | None = Field(description="always-valid confidence interval of the compared quantity")
-    p_value: float | None = Field(description="always-valid p-value of a breach")
-    detail: str
-
-
-class GuardrailEvaluationRead(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    rollout_id: str
-    step: int
-    evaluated_at: dt.datetime
-    evaluated_by: str
-    verdict: str = Field(description="pass, breach or pending")
-    action: str = Field(description="none, rolled_back or promoted")
-    baseline_requests: int
-    canary_requests: int
-    checks: list[CheckRead]
-
-
-class GuardrailHistory(BaseModel):
-    rollout_id: str
-    state: str
-    evaluations: list[GuardrailEvaluationRead] = Field(description="newest first")

@@ -1,4 +1,4 @@
-"""Analysis use cases: summaries, speedups, before/after, recommendations, what-if, guardrails.
+"""Analysis use cases: summaries, speedups, before/after, recommendations, what-if.
 
 Services never commit: the caller owns the unit of work. Latency quantiles
 and acceptance come from the telemetry rollups
@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session
 from analysis import edits
 from analysis.buckets import batch_bucket, batch_bucket_label
 from analysis.cells import Cell, Cohort
-from analysis.guardrails import StepEvaluation, evaluate_step
 from analysis.recommend import (
     Recommendation,
     RecommendConfig,
@@ -31,10 +30,8 @@ from analysis.recommend import (
 from controlplane.analysis.repository import AnalysisRepository
 from controlplane.audit.service import record
 from controlplane.errors import Conflict, NotFound, ValidationFailed
-from controlplane.models import GuardrailEvaluation, Policy, Revision, Rollout
+from controlplane.models import Policy, Revision, Rollout
 from controlplane.policy import service as policy_service
-from controlplane.rollout import service as rollout_service
-from controlplane.rollout.schemas import RolloutAction
 from controlplane.telemetry.repository import RollupFilter
 from controlplane.telemetry.service import RollupSummary, summarize
 from policies import PolicyDocument, PolicyValidationError, RequestShape, compile_policy, validate_data
@@ -507,88 +504,3 @@ def _what_if_row(route: str | None, r: Mapping[str, float]) -> dict[str, Any]:
         "unestimated_requests": int(r.get("unestimated", 0)), "itl_ms_mean": mean("itl"), "e2e_ms_mean": mean("e2e"),
     }
     return row if route is None else {"route": route, **row}
-
-
-# --- guardrails ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class GuardrailOutcome:
-    evaluation: GuardrailEvaluation
-    step: StepEvaluation
-    generation: int | None  # to publish after commit when the rollout changed
-
-
-def step_cohorts(session: Session, rollout: Rollout, policy: Policy, started_at: dt.datetime,
-                 now: dt.datetime) -> tuple[Cohort, Cohort]:
-    """Baseline (from-revision) and canary (to-revision) cohorts since the step started, from the rollups."""
-    start, end = _floor(started_at, 60), _floor(now, 60) + dt.timedelta(minutes=1)
-    out = []
-    for rid in (rollout.from_revision_id, rollout.to_revision_id):
-        rows, _ = summarize(session, RollupFilter(policy=policy.name, revision=rid, explored=False, start=start,
-                                                  end=end), [])
-        out.append(_cohort(rows[0]) if rows else Cohort())
-    return out[0], out[1]
-
-
-def evaluate_guardrails(session: Session, rollout_id: str, *, actor: str, now: dt.datetime, alpha: float,
-                        auto_promote: bool) -> GuardrailOutcome:
-    """Look at a running rollout's current step: record the look; roll back on a breach.
-
-    With ``auto_promote``, a step whose guardrails all pass moves on to the
-    next step (the last one completes the rollout). The caller commits, then
-    publishes ``generation`` when it is not None.
-    """
-    repo = AnalysisRepository(session)
-    rollout = _rollout(session, rollout_id)
-    if rollout.state != "running":
-        raise Conflict(f"rollout {rollout_id!r} is {rollout.state}: only a running rollout's guardrails are "
-                       "evaluated", state=rollout.state)
-    policy = repo.policy_by_id(rollout.policy_id)
-    assert policy is not None
-    target = repo.revision(rollout.to_revision_id)
-    assert target is not None
-    guardrails = validate_data(target.document).guardrails
-    step = repo.step(rollout.id, rollout.current_step)
-    assert step is not None
-    baseline, canary = step_cohorts(session, rollout, policy, step.started_at or rollout.created_at, now)
-    result = evaluate_step(baseline, canary, guardrails, alpha=alpha)
-    action = "none"
-    generation = None
-    position = rollout.current_step
-    if result.verdict == "breach":
-        breached = ", ".join(f"{c.guardrail} ({c.detail})" for c in result.breaches)
-        rollout_service.rollback_on_guardrail_breach(
-            session, rollout.id, reason=f"guardrail breach at step {position}: {breached}",
-            evidence=result.to_dict())
-        action = "rolled_back"
-        generation = _generation(session)
-    elif result.verdict == "pass" and auto_promote:
-        _, generation = rollout_service.apply_action(
-            session, rollout.id, RolloutAction.promote, actor=rollout_service.GUARDRAIL_ACTOR,
-            reason=f"guardrails passed at step {position} (baseline {result.baseline_requests}, "
-                   f"canary {result.canary_requests} requests)")
-        action = "promoted"
-    evaluation = repo.add_evaluation(GuardrailEvaluation(
-        rollout_id=rollout.id, step=position, evaluated_at=now, evaluated_by=actor, verdict=result.verdict,
-        action=action, baseline_requests=result.baseline_requests, canary_requests=result.canary_requests,
-        checks=[c.to_dict() for c in result.checks]))
-    return GuardrailOutcome(evaluation, result, generation)
-
-
-def _generation(session: Session) -> int:
-    return AnalysisRepository(session).generation()
-
-
-def guardrail_history(session: Session, rollout_id: str, limit: int) -> list[GuardrailEvaluation]:
-    _rollout(session, rollout_id)
-    return AnalysisRepository(session).evaluations(rollout_id, limit)
-
-
-def running_rollouts(session: Session) -> list[str]:
-    return AnalysisRepository(session).running_rollouts()
-
-
-
-
-def rollout_state(session: Session, rollout_id: str) -> str:
-    return _rollout(session, rollout_id).state

@@ -1,3 +1,5 @@
+"""Every SQL statement of the audit log: append an event, search events newest first."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

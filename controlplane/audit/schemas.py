@@ -1,3 +1,5 @@
+"""Response models of the audit API: one event, and a page of events."""
+
 from __future__ import annotations
 
 import datetime as dt

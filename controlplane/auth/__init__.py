@@ -1,0 +1,1 @@
+"""API keys and their scopes: who is calling, and what the key allows."""

@@ -1,3 +1,5 @@
+"""Every SQL statement of API keys: look a key up by id or by the hash of its secret, add, list, mark as used."""
+
 from __future__ import annotations
 
 import datetime as dt

@@ -1,3 +1,5 @@
+"""Request and response models of the keys API, and the closed set of key scopes."""
+
 from __future__ import annotations
 
 import datetime as dt

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from controlplane.auth.dependencies import ADMIN, WORKER, require
-from controlplane.auth.service import Principal
+from controlplane.deps import BundleReader, WorkerKey
 from controlplane.distribution.recompute import recomputer_of
 from controlplane.distribution.schemas import BundleEnvelope, PublicKeyRead
 from controlplane.distribution.service import Bundle, cached_body, etags_in, signed_body
@@ -33,10 +32,6 @@ from controlplane.errors import (
 from controlplane.worker.schemas import WORKER_ID_PATTERN
 
 router = APIRouter(prefix="/v1/bundle", tags=["distribution"])
-
-# Admins may read any worker's bundle too, to debug what a worker is served.
-BundleReader = Annotated[Principal, Depends(require(*WORKER, *ADMIN))]
-WorkerCaller = Annotated[Principal, Depends(require(*WORKER))]
 
 _NOT_SERVED: dict[int | str, dict[str, Any]] = {404: problem_response("worker-not-found, or no-policy for the worker")}
 
@@ -105,7 +100,7 @@ def _sse(event: str, data: dict[str, Any]) -> str:
                              "description": "`event: bundle` with `data: {\"etag\": ...}` at once and on "
                              "every change; `: keepalive` comments while idle"},
                        **AUTH_RESPONSES, **_NOT_SERVED, **INVALID_RESPONSE})
-async def events(request: Request, _: WorkerCaller, worker: str = _worker_query()) -> StreamingResponse:
+async def events(request: Request, _: WorkerKey, worker: str = _worker_query()) -> StreamingResponse:
     hub = request.app.state.hub
     keepalive = request.app.state.settings.sse_keepalive_s
     seen = hub.generation

@@ -1,3 +1,5 @@
+"""Every SQL statement of distribution: the fleet's switches, the policies by pool, live rollouts, documents."""
+
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence

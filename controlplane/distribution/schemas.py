@@ -1,3 +1,5 @@
+"""Response models of the distribution API: the signed bundle envelope and the public key to verify it."""
+
 from __future__ import annotations
 
 from typing import Any, Literal

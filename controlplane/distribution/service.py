@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
 from controlplane.distribution.repository import DistributionRepository
 from controlplane.errors import NotFound, SpecgateError
+from controlplane.lru import LRU
 from controlplane.rollout.service import canary_salt, worker_in_canary
 from policies import (
     BundlePayload,
@@ -57,38 +56,6 @@ class WorkerLike(Protocol):
     def labels(self) -> Mapping[str, Any]: ...
 
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _LRU(Generic[K, V]):
-    """A small thread-safe LRU: request threads of the threadpool share it."""
-
-    def __init__(self, maxsize: int) -> None:
-        self._data: OrderedDict[K, V] = OrderedDict()
-        self._maxsize = maxsize
-        self._lock = threading.Lock()
-
-    def get(self, key: K) -> V | None:
-        with self._lock:
-            value = self._data.get(key)
-            if value is not None:
-                self._data.move_to_end(key)
-            return value
-
-    def put(self, key: K, value: V) -> V:
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self._maxsize:
-                self._data.popitem(last=False)
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-
 @dataclass(frozen=True, slots=True)
 class Bundle:
     payload: BundlePayload
@@ -98,9 +65,9 @@ class Bundle:
 # (policy revision, canary revision, traffic percent, salt, kill switch): everything a payload is made of.
 _BundleKey = tuple[str, str | None, float | None, str | None, bool]
 
-_revisions: _LRU[str, Revision] = _LRU(1024)
-_bundles: _LRU[_BundleKey, Bundle] = _LRU(4096)
-_envelopes: _LRU[tuple[str, str], bytes] = _LRU(512)
+_revisions: LRU[str, Revision] = LRU(1024)
+_bundles: LRU[_BundleKey, Bundle] = LRU(4096)
+_envelopes: LRU[tuple[str, str], bytes] = LRU(512)
 
 
 def clear_caches() -> None:

@@ -1,0 +1,1 @@
+"""Liveness, readiness and Prometheus metrics of the control plane."""

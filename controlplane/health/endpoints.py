@@ -1,3 +1,5 @@
+"""The health API: /healthz (the process answers), /readyz (database reachable, schema at head), /metrics."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response

@@ -1,0 +1,1 @@
+"""Policies and their immutable, content-addressed revisions."""

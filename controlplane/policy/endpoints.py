@@ -1,5 +1,8 @@
+"""The policies API: policies, revisions (YAML or JSON), validation, diffs and dry-run decisions."""
+
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated
 
@@ -7,9 +10,8 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from controlplane.auth.dependencies import ADMIN, READ, require
-from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
+from controlplane.deps import Admin, Announce, Reader, SessionDep
 from controlplane.errors import (
     AUTH_RESPONSES,
     INVALID_RESPONSE,
@@ -39,6 +41,7 @@ from controlplane.policy.schemas import (
     ValidateRequest,
     ValidationRead,
 )
+from policies.jsonschema import SCHEMA_PATH
 
 router = APIRouter(prefix="/v1", tags=["policies"])
 
@@ -48,10 +51,6 @@ _NO_NUL = r"^[^\x00]*$"
 # Losing to a rival more often than this (SQLite only: PostgreSQL orders
 # submissions with a row lock) answers 409 rather than holding the request.
 _RACE_ATTEMPTS = 3
-
-Admin = Annotated[Principal, Depends(require(*ADMIN))]
-Reader = Annotated[Principal, Depends(require(*READ))]
-
 
 _AUTH = AUTH_RESPONSES
 _NOT_FOUND = problem_response("no such policy or revision")
@@ -112,30 +111,26 @@ def _revision_read(revision: Revision, policy: Policy) -> RevisionRead:
              responses={**_AUTH, 409: problem_response("the name is taken, or another policy serves that pool"),
                         **TOO_LARGE_RESPONSE, 415: problem_response("the body is not application/json"),
                         **INVALID_RESPONSE})
-def create_policy(body: PolicyCreate, request: Request, response: Response,
+def create_policy(body: PolicyCreate, session: SessionDep, announce: Announce, response: Response,
                   who: Admin, _json: Annotated[None, Depends(_json_content)]) -> PolicyRead:
     """A policy starts without revisions; its first revision becomes active at once."""
-    with unit_of_work(request.app.state.sessions) as session:
-        policy, generation = service.create_policy(session, name=body.name, description=body.description,
-                                                   pool=body.pool, actor=who.actor)
-        read = _policy_read(service.PolicyView(policy, None, 0))
-    request.app.state.hub.publish(generation)
+    policy, generation = service.create_policy(session, name=body.name, description=body.description,
+                                               pool=body.pool, actor=who.actor)
+    announce(generation)
     response.headers["Location"] = f"/v1/policies/{policy.name}"
-    return read
+    return _policy_read(service.PolicyView(policy, None, 0))
 
 
 @router.get("/policies", response_model=list[PolicyRead], summary="List policies",
             responses={**_AUTH})
-def list_policies(request: Request, _: Reader) -> list[PolicyRead]:
-    with unit_of_work(request.app.state.sessions) as session:
-        return [_policy_read(v) for v in service.list_policies(session)]
+def list_policies(session: SessionDep, _: Reader) -> list[PolicyRead]:
+    return [_policy_read(v) for v in service.list_policies(session)]
 
 
 @router.get("/policies/{name}", response_model=PolicyRead, summary="Get a policy",
             responses={**_AUTH, 404: _NOT_FOUND, **INVALID_RESPONSE})
-def get_policy(name: str, request: Request, _: Reader) -> PolicyRead:
-    with unit_of_work(request.app.state.sessions) as session:
-        return _policy_read(service.get_policy(session, name))
+def get_policy(name: str, session: SessionDep, _: Reader) -> PolicyRead:
+    return _policy_read(service.get_policy(session, name))
 
 
 @router.post(
@@ -151,7 +146,7 @@ def get_policy(name: str, request: Request, _: Reader) -> PolicyRead:
                                "message": "max (4) is below min (5): the range is empty", "line": 9,
                                "column": 40}]})},
 )
-def validate(name: str, body: ValidateRequest, request: Request, _: Reader,
+def validate(name: str, body: ValidateRequest, session: SessionDep, _: Reader,
              _json: Annotated[None, Depends(_json_content)]) -> ValidationRead:
     """Checks a draft of a new revision of the policy exactly as adding it would, and stores nothing:
     errors come back as a 422 problem with paths and, for text, lines. The answer carries the diff against
@@ -160,24 +155,23 @@ def validate(name: str, body: ValidateRequest, request: Request, _: Reader,
         submission = service.Submission(text=body.document)
     else:
         submission = service.Submission(data=body.document)
-    with unit_of_work(request.app.state.sessions) as session:
-        check = service.check_draft(session, submission=submission, policy_name=name, shapes=body.shapes)
-        diff_read = None
-        if check.active is not None and check.unified is not None and check.summary is not None:
-            s = check.summary
-            diff_read = DraftDiffRead(
-                against=RevisionRef(id=check.active.id, seq=check.active.seq),
-                identical=check.active.id == check.loaded.id, unified=check.unified,
-                summary=ChangeSummaryRead(
-                    rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
-                    rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
-                    engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
-                    engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)))
-        return ValidationRead(
-            valid=True, revision_id=check.loaded.id, name=check.loaded.document.name,
-            canonical_yaml=check.loaded.canonical_yaml, existing=check.existing, diff=diff_read,
-            evaluations=[Evaluation(shape=ShapeRead(**shape.to_dict()), decision=DecisionRead(**d.to_dict()))
-                         for shape, d in check.decisions])
+    check = service.check_draft(session, submission=submission, policy_name=name, shapes=body.shapes)
+    diff_read = None
+    if check.active is not None and check.unified is not None and check.summary is not None:
+        s = check.summary
+        diff_read = DraftDiffRead(
+            against=RevisionRef(id=check.active.id, seq=check.active.seq),
+            identical=check.active.id == check.loaded.id, unified=check.unified,
+            summary=ChangeSummaryRead(
+                rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
+                rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
+                engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
+                engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)))
+    return ValidationRead(
+        valid=True, revision_id=check.loaded.id, name=check.loaded.document.name,
+        canonical_yaml=check.loaded.canonical_yaml, existing=check.existing, diff=diff_read,
+        evaluations=[Evaluation(shape=ShapeRead(**shape.to_dict()), decision=DecisionRead(**d.to_dict()))
+                     for shape, d in check.decisions])
 
 
 # --- revisions ---------------------------------------------------------------------------
@@ -313,49 +307,45 @@ def create_revision(
 
 @router.get("/policies/{name}/revisions", response_model=RevisionPage, summary="List a policy's revisions",
             responses={**_AUTH, 404: _NOT_FOUND, **INVALID_RESPONSE})
-def list_revisions(name: str, request: Request, _: Reader,
+def list_revisions(name: str, session: SessionDep, _: Reader,
                    cursor: int | None = Query(None, ge=1, le=2**31 - 1,
                                               description="next_cursor of the previous page"),
                    limit: int = Query(50, ge=1, le=500)) -> RevisionPage:
     """Newest first (by seq)."""
-    with unit_of_work(request.app.state.sessions) as session:
-        policy, rows, next_cursor = service.revision_page(session, name, before_seq=cursor, limit=limit)
-        return RevisionPage(items=[_revision_summary(r, policy) for r in rows], next_cursor=next_cursor)
+    policy, rows, next_cursor = service.revision_page(session, name, before_seq=cursor, limit=limit)
+    return RevisionPage(items=[_revision_summary(r, policy) for r in rows], next_cursor=next_cursor)
 
 
 @router.get("/policies/{name}/diff", response_model=DiffRead, summary="Diff two revisions of a policy",
             responses={**_AUTH, 404: problem_response("no such policy, or from/to is not one of its revisions"),
                        **INVALID_RESPONSE})
-def diff(name: str, request: Request, _: Reader,
+def diff(name: str, session: SessionDep, _: Reader,
          from_: str | None = Query(None, alias="from", description="revision id; default: the active one"),
          to: str | None = Query(None, description="revision id; default: the head")) -> DiffRead:
     """A unified diff of the canonical YAML, and which rules and engines changed."""
-    with unit_of_work(request.app.state.sessions) as session:
-        d = service.diff_revisions(session, name, from_id=from_, to_id=to)
-        s = d.summary
-        return DiffRead(
-            policy=d.policy.name,
-            from_revision=RevisionRef(id=d.before.id, seq=d.before.seq),
-            to_revision=RevisionRef(id=d.after.id, seq=d.after.seq),
-            identical=d.before.id == d.after.id, unified=d.unified,
-            summary=ChangeSummaryRead(
-                rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
-                rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
-                engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
-                engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)),
-        )
+    d = service.diff_revisions(session, name, from_id=from_, to_id=to)
+    s = d.summary
+    return DiffRead(
+        policy=d.policy.name,
+        from_revision=RevisionRef(id=d.before.id, seq=d.before.seq),
+        to_revision=RevisionRef(id=d.after.id, seq=d.after.seq),
+        identical=d.before.id == d.after.id, unified=d.unified,
+        summary=ChangeSummaryRead(
+            rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
+            rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
+            engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
+            engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)),
+    )
 
 
 @router.get("/revisions/{revision_id}", response_model=RevisionRead, summary="Get a revision",
             responses={200: {"description": "the revision; ETag is its id"}, **_AUTH, 404: _NOT_FOUND,
                        **INVALID_RESPONSE})
-def get_revision(revision_id: str, request: Request, response: Response,
+def get_revision(revision_id: str, session: SessionDep, response: Response,
                  _: Reader) -> RevisionRead:
-    with unit_of_work(request.app.state.sessions) as session:
-        revision, policy = service.get_revision(session, revision_id)
-        read = _revision_read(revision, policy)
-    response.headers["ETag"] = f'"{read.id}"'
-    return read
+    revision, policy = service.get_revision(session, revision_id)
+    response.headers["ETag"] = f'"{revision.id}"'
+    return _revision_read(revision, policy)
 
 
 @router.post("/revisions/{revision_id}/evaluate", response_model=list[Evaluation],
@@ -368,11 +358,31 @@ def get_revision(revision_id: str, request: Request, response: Response,
                             "detail": "1 problem in the request shapes",
                             "errors": [{"path": "shapes[3].batch_size", "in": "body", "code": "wrong_type",
                                         "message": "expected an integer, got str"}]})})
-def evaluate(revision_id: str, body: EvaluateRequest, request: Request,
+def evaluate(revision_id: str, body: EvaluateRequest, session: SessionDep,
              _: Reader, _json: Annotated[None, Depends(_json_content)]) -> list[Evaluation]:
     """What a worker running this revision would decide for each shape (ignoring the kill switch and
     canaries). Up to 1000 shapes."""
-    with unit_of_work(request.app.state.sessions) as session:
-        results = service.evaluate(session, revision_id, body.shapes)
+    results = service.evaluate(session, revision_id, body.shapes)
     return [Evaluation(shape=ShapeRead(**shape.to_dict()), decision=DecisionRead(**decision.to_dict()))
             for shape, decision in results]
+
+
+# --- the document schema -------------------------------------------------------------------------
+
+SCHEMA_TYPE = "application/schema+json"
+
+
+@functools.cache
+def _policy_schema() -> bytes:
+    # The committed file, byte for byte: what the examples' editors load (a test keeps it generated).
+    return SCHEMA_PATH.read_bytes()
+
+
+@router.get("/schema/policy", response_class=Response, summary="The JSON Schema of a policy document",
+            responses={200: {"description": "JSON Schema (draft 2020-12) of a specgate/v1 document",
+                             "content": {SCHEMA_TYPE: {"schema": {"type": "object"}}}}})
+def policy_schema() -> Response:
+    """For editors and tools that check a policy as it is typed; no key needed, like /openapi.json. It checks
+    each value on its own; references between fields (engine names, shadowed rules) are checked when a revision
+    is validated or added."""
+    return Response(_policy_schema(), media_type=SCHEMA_TYPE)

@@ -1,3 +1,5 @@
+"""Every SQL statement of policies and revisions: by name, id or pool, heads, pages of revisions."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,3 +1,5 @@
+"""Request and response models of the policies API: policies, revisions, diffs, validation, dry runs."""
+
 from __future__ import annotations
 
 import datetime as dt

@@ -5,8 +5,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +24,7 @@ from controlplane.errors import (
     PreconditionRequired,
     ValidationFailed,
 )
+from controlplane.lru import LRU
 from controlplane.models import Policy, Revision
 from controlplane.policy.repository import PolicyRepository, RevisionRepository
 from policies import (
@@ -390,40 +389,9 @@ def diff_revisions(session: Session, policy_name: str, *, from_id: str | None,
 
 # --- evaluation --------------------------------------------------------------------------
 
-class CompiledPolicyCache:
-    """A small LRU of compiled revisions.
-
-    Revisions are immutable and their ids are content hashes, so an entry never
-    goes stale, and one cache may serve any database.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, CompiledPolicy] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, rid: str) -> CompiledPolicy | None:
-        with self._lock:
-            compiled = self._items.get(rid)
-            if compiled is not None:
-                self._items.move_to_end(rid)
-            return compiled
-
-    def put(self, rid: str, compiled: CompiledPolicy) -> None:
-        with self._lock:
-            self._items[rid] = compiled
-            self._items.move_to_end(rid)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._items
-
-
-compiled_policies = CompiledPolicyCache(64)
+# Revisions are immutable and their ids are content hashes, so an entry never
+# goes stale, and one cache may serve any database.
+compiled_policies: LRU[str, CompiledPolicy] = LRU(64)
 
 
 def _compiled(session: Session, rid: str) -> CompiledPolicy:

@@ -1,3 +1,5 @@
+"""Every SQL statement of rollouts, rollbacks, the kill switch and guardrail evaluations."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -88,6 +90,24 @@ class RolloutRepository:
             out[step.rollout_id].append(step)
         return out
 
+    def step(self, rollout_id: str, position: int) -> RolloutStep | None:
+        return self.session.scalar(select(RolloutStep).where(RolloutStep.rollout_id == rollout_id,
+                                                             RolloutStep.position == position))
+
+    def running(self) -> list[str]:
+        """Ids of the running rollouts, oldest first."""
+        return list(self.session.scalars(select(Rollout.id).where(Rollout.state == "running")
+                                         .order_by(Rollout.created_at)))
+
+    def generation(self) -> int:
+        return int(self.session.scalar(select(FleetState.generation).where(FleetState.id == 1)) or 0)
+
+    def evaluations(self, rollout_id: str, limit: int) -> list[GuardrailEvaluation]:
+        """A rollout's guardrail evaluations, newest first."""
+        return list(self.session.scalars(
+            select(GuardrailEvaluation).where(GuardrailEvaluation.rollout_id == rollout_id)
+            .order_by(GuardrailEvaluation.evaluated_at.desc(), GuardrailEvaluation.id.desc()).limit(limit)))
+
     def latest_guardrail_evaluations(self, rollout_ids: Sequence[str]) -> dict[str, GuardrailEvaluation]:
         """The newest guardrail evaluation of each rollout that has one."""
         if not rollout_ids:
@@ -123,6 +143,11 @@ class RolloutRepository:
         self.session.add_all(steps)
         self.session.flush()
         return steps
+
+    def add_evaluation(self, evaluation: GuardrailEvaluation) -> GuardrailEvaluation:
+        self.session.add(evaluation)
+        self.session.flush()
+        return evaluation
 
     def flush(self) -> None:
         self.session.flush()

@@ -1,3 +1,5 @@
+"""Request and response models of the rollouts API: rollouts, steps, guardrail evaluations, the kill switch."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -110,6 +112,37 @@ class GuardrailSnapshot(BaseModel):
     baseline_requests: int
     canary_requests: int
     checks: list[dict[str, Any]]
+
+
+class CheckRead(BaseModel):
+    guardrail: str
+    status: str = Field(description="pass, breach or pending")
+    limit: float | None
+    observed: float | None
+    interval: list[float] | None = Field(description="always-valid confidence interval of the compared quantity")
+    p_value: float | None = Field(description="always-valid p-value of a breach")
+    detail: str
+
+
+class GuardrailEvaluationRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    rollout_id: str
+    step: int
+    evaluated_at: dt.datetime
+    evaluated_by: str
+    verdict: str = Field(description="pass, breach or pending")
+    action: str = Field(description="none, rolled_back or promoted")
+    baseline_requests: int
+    canary_requests: int
+    checks: list[CheckRead]
+
+
+class GuardrailHistory(BaseModel):
+    rollout_id: str
+    state: str
+    evaluations: list[GuardrailEvaluationRead] = Field(description="newest first")
 
 
 class RolloutRead(BaseModel):

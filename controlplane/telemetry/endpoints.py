@@ -1,3 +1,5 @@
+"""The telemetry API: workers send event batches (idempotent), readers query the per-minute rollups."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,13 +10,13 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from controlplane.auth.dependencies import READ, WORKER, require
 from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
+from controlplane.deps import Reader, SessionDep, WorkerKey
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, ValidationFailed, problems
 from controlplane.models import utcnow
 from controlplane.telemetry import service
@@ -32,9 +34,6 @@ from controlplane.telemetry.schemas import (
 from wire.telemetry import TelemetryEvent
 
 router = APIRouter(prefix="/v1/telemetry", tags=["telemetry"], responses=AUTH_RESPONSES)
-
-WorkerCaller = Annotated[Principal, Depends(require(*WORKER))]
-Reader = Annotated[Principal, Depends(require(*READ))]
 
 
 def _batch_schema() -> dict[str, Any]:
@@ -116,7 +115,7 @@ def _count(app: Any, result: service.IngestResult) -> None:
                 "Idempotent by `batch_id` (a replay answers `duplicate: true` with the first answer's "
                 "counts) and by event id (an event stored before is not stored or counted again).",
 )
-async def ingest_batch(request: Request, who: WorkerCaller) -> BatchAck:
+async def ingest_batch(request: Request, who: WorkerKey) -> BatchAck:
     body = await request.body()
     # Inflating, validating and storing a batch is CPU and database work: off the event loop.
     batch = await run_in_threadpool(_parse, request, body)
@@ -188,7 +187,7 @@ Text = Annotated[str | None, Query(max_length=128, pattern=NO_CONTROL)]
                 "come from the merged histograms (fixed log buckets, 35 % wide).",
 )
 def rollups(
-    request: Request, _: Reader,
+    session: SessionDep, _: Reader,
     policy: Text = None, revision: Text = None, route: Text = None, engine: Text = None,
     explored: bool | None = None,
     start: Annotated[str | None, Query(alias="from", max_length=64, json_schema_extra={"format": "date-time"},
@@ -206,8 +205,7 @@ def rollups(
             {"path": "to", "in": "query", "code": "before_from", "message": "must be after `from`"}])
     flt = RollupFilter(policy=policy, revision=revision, route=route, engine=engine, explored=explored,
                        start=since, end=until)
-    with unit_of_work(request.app.state.sessions) as session:
-        summaries, truncated = service.summarize(session, flt, [g.value for g in groups], limit)
+    summaries, truncated = service.summarize(session, flt, [g.value for g in groups], limit)
     return RollupReport(group_by=groups, groups=[_group_read(s) for s in summaries], truncated=truncated)
 
 

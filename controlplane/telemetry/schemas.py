@@ -1,3 +1,5 @@
+"""Request and response models of the telemetry API: batch envelopes and acks, rollup reports."""
+
 from __future__ import annotations
 
 import datetime as dt

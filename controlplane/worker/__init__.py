@@ -1,0 +1,1 @@
+"""Workers (sidecars): registration, heartbeats, staleness, and the fleet's overview."""

@@ -1,13 +1,12 @@
+"""The workers API: registration, heartbeats, the worker list and the fleet's overview."""
+
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from sqlalchemy.exc import IntegrityError
 
-from controlplane.auth.dependencies import READ, WORKER, require
-from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
+from controlplane.deps import Reader, SessionDep, WorkerKey
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, problems
 from controlplane.worker import service
 from controlplane.worker.schemas import (
@@ -25,15 +24,12 @@ router = APIRouter(prefix="/v1", tags=["workers"], responses=AUTH_RESPONSES)
 
 _BODY = {**TOO_LARGE_RESPONSE, **INVALID_RESPONSE}
 
-WorkerCaller = Annotated[Principal, Depends(require(*WORKER))]
-Reader = Annotated[Principal, Depends(require(*READ))]
-
-
 @router.post("/workers/register", response_model=WorkerRead,
              responses={201: {"model": WorkerRead, "description": "registered for the first time"}, **_BODY})
 def register(body: WorkerRegister, request: Request, response: Response,
-             who: WorkerCaller) -> WorkerRead:
+             who: WorkerKey) -> WorkerRead:
     settings = request.app.state.settings
+    # Two transactions when the first loses a race, so the unit of work is explicit here.
     for attempt in (1, 2):
         try:
             with unit_of_work(request.app.state.sessions) as session:
@@ -53,26 +49,23 @@ def register(body: WorkerRegister, request: Request, response: Response,
 
 @router.post("/workers/{worker_id}/heartbeat", response_model=HeartbeatAck,
              responses={**problems({404: "worker-not-found: the worker is not registered"}), **_BODY})
-def heartbeat(request: Request, _: WorkerCaller,
+def heartbeat(session: SessionDep, _: WorkerKey,
               worker_id: str = Path(max_length=128, pattern=WORKER_ID_PATTERN),
               body: WorkerHeartbeat | None = None) -> HeartbeatAck:
-    with unit_of_work(request.app.state.sessions) as session:
-        return service.heartbeat(session, worker_id, body or WorkerHeartbeat())
+    return service.heartbeat(session, worker_id, body or WorkerHeartbeat())
 
 
 @router.get("/workers", response_model=WorkerPage, responses=INVALID_RESPONSE)
-def list_workers(request: Request, _: Reader,
+def list_workers(request: Request, session: SessionDep, _: Reader,
                  pool: str | None = Query(None, max_length=128, pattern=NO_CONTROL),
                  stale: bool | None = Query(None, description="only stale (true) or live (false) workers"),
                  cursor: str | None = Query(None, max_length=128, pattern=NO_CONTROL,
                                             description="next_cursor of the last page"),
                  limit: int = Query(100, ge=1, le=1000)) -> WorkerPage:
-    with unit_of_work(request.app.state.sessions) as session:
-        return service.list_workers(session, pool=pool, stale=stale, cursor=cursor, limit=limit,
-                                    stale_after_s=request.app.state.settings.worker_stale_after_s)
+    return service.list_workers(session, pool=pool, stale=stale, cursor=cursor, limit=limit,
+                                stale_after_s=request.app.state.settings.worker_stale_after_s)
 
 
 @router.get("/fleet", response_model=FleetRead)
-def fleet(request: Request, _: Reader) -> FleetRead:
-    with unit_of_work(request.app.state.sessions) as session:
-        return service.fleet(session, stale_after_s=request.app.state.settings.worker_stale_after_s)
+def fleet(request: Request, session: SessionDep, _: Reader) -> FleetRead:
+    return service.fleet(session, stale_after_s=request.app.state.settings.worker_stale_after_s)

@@ -1,3 +1,5 @@
+"""Every SQL statement of workers: by id, pages filtered by pool and staleness, all of them."""
+
 from __future__ import annotations
 
 import datetime as dt

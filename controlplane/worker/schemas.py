@@ -1,3 +1,5 @@
+"""Request and response models of the workers API: registration, heartbeats, worker pages, the fleet."""
+
 from __future__ import annotations
 
 import datetime as dt

@@ -7,6 +7,7 @@ import json
 import pandas as pd
 import streamlit as st
 
+from apiclient import calls
 from dashboard import ui
 
 ACTIONS = ["", "policy.create", "revision.create", "rollout.start", "rollout.promote", "rollout.pause",
@@ -18,17 +19,18 @@ def render() -> None:
     session = ui.require_session()
     st.title("Audit log")
     c1, c2, c3 = st.columns([3, 2, 2])
-    q = c1.text_input("Search (reason, action, actor, target, before/after)", key="audit_q")
-    action = c2.selectbox("Action", ACTIONS, format_func=lambda a: a or "(any)", key="audit_action")
-    actor = c3.text_input("Actor (exact, e.g. admin:alice)", key="audit_actor")
+    q = c1.text_input("Search (reason, action, actor, target, before/after)", key=ui.key("audit_q"))
+    action = c2.selectbox("Action", ACTIONS, format_func=lambda a: a or "(any)", key=ui.key("audit_action"))
+    actor = c3.text_input("Actor (exact, e.g. admin:alice)", key=ui.key("audit_actor"))
     query = (q.strip(), action, actor.strip())
     # A new search starts again at the newest page.
-    if st.session_state.get("sg_audit_query") != query:
-        st.session_state["sg_audit_query"] = query
-        st.session_state["sg_audit_cursors"] = [None]
-    cursors: list[int | None] = st.session_state["sg_audit_cursors"]
-    page = ui.call(lambda: session.api.audit(q=query[0] or None, action=query[1] or None, actor=query[2] or None,
-                                             cursor=cursors[-1], limit=session.settings.page_size))
+    if st.session_state.get(ui.key("audit_query")) != query:
+        st.session_state[ui.key("audit_query")] = query
+        st.session_state[ui.key("audit_cursors")] = [None]
+    cursors: list[int | None] = st.session_state[ui.key("audit_cursors")]
+    page = ui.call(lambda: session.read(calls.audit(q=query[0] or None, action=query[1] or None,
+                                                    actor=query[2] or None, cursor=cursors[-1],
+                                                    limit=session.settings.page_size)))
     if page is None:
         return
     if not page.items:
@@ -40,14 +42,14 @@ def render() -> None:
         "target": f"{e.target_type}:{e.target_id[:24]}", "reason": e.reason,
     } for e in page.items]), hide_index=True, width="stretch")
     b1, b2, _ = st.columns([1, 1, 4])
-    if b1.button("Newer", disabled=len(cursors) == 1, key="audit_newer"):
+    if b1.button("Newer", disabled=len(cursors) == 1, key=ui.key("audit_newer")):
         cursors.pop()
         st.rerun()
-    if b2.button("Older", disabled=page.next_cursor is None, key="audit_older"):
+    if b2.button("Older", disabled=page.next_cursor is None, key=ui.key("audit_older")):
         cursors.append(page.next_cursor)
         st.rerun()
     labels = {e.id: f"#{e.id} {e.at:%H:%M:%S} {e.action} {e.target_id[:24]}" for e in page.items}
-    chosen = st.selectbox("Details of", list(labels), format_func=labels.__getitem__, key="audit_pick")
+    chosen = st.selectbox("Details of", list(labels), format_func=labels.__getitem__, key=ui.key("audit_pick"))
     event = next((e for e in page.items if e.id == chosen), None)
     if event is not None:
         left, right = st.columns(2)

@@ -1,4 +1,7 @@
-"""Overview: the fleet, the policies and rollouts, the last hour in numbers, the kill switch."""
+"""Overview: the fleet, the policies and rollouts, the last hour in numbers, the kill switch.
+
+A fixed number of reads, whatever the size of the fleet: no call per policy or per worker.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
+from apiclient import calls
 from dashboard import charts, ui
-from dashboard.views.common import active_documents, open_rollouts_of
+from dashboard.views.common import open_rollouts_of
 
 
 def _pct(value: float | None) -> str:
@@ -17,11 +21,10 @@ def _pct(value: float | None) -> str:
 
 def render() -> None:
     session = ui.require_session()
-    api = session.api
     st.title("Overview")
     ui.show_flash()
 
-    switch = ui.call(api.kill_switch)
+    switch = ui.call(lambda: session.read(calls.kill_switch()))
     if switch is not None:
         if switch.enabled:
             st.error(f"**Kill switch is ON**: every request goes to the plain engine. Reason: {switch.reason or '-'} "
@@ -29,13 +32,16 @@ def render() -> None:
         else:
             st.success("Kill switch is off: policies decide.")
 
-    fleet = ui.call(api.fleet)
-    policies = ui.call(api.policies) or []
+    fleet = ui.call(lambda: session.read(calls.fleet()))
+    policies = ui.call(lambda: session.read(calls.policies())) or []
     st.subheader("Last hour")
-    now = dt.datetime.now(dt.UTC)
-    report = ui.call(lambda: api.rollups(group_by=["policy", "engine"], since=now - dt.timedelta(hours=1)))
+    # On the minute, so that the read is the same (and cached) for a minute.
+    since = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0) - dt.timedelta(hours=1)
+    report = ui.call(lambda: session.read(calls.rollups(group_by=["policy", "engine"], since=since)))
     if report is not None:
-        kinds = charts.engine_kinds(active_documents(api, policies))
+        # An engine's kind from its requests' decisions, not from the policy documents: reading those would
+        # take a call per policy (the API has no call that lists active documents).
+        kinds: charts.EngineKinds = {}
         numbers = charts.headline(report, kinds)
         cols = st.columns(5)
         cols[0].metric("Requests", f"{numbers['requests']:,}")
@@ -65,7 +71,7 @@ def render() -> None:
                 "pool": p.pool, "workers": p.workers, "stale": p.stale, "converged": p.converged,
                 "revisions running": ", ".join(f"{ui.short(r.revision)} x{r.workers}" for r in p.revisions),
             } for p in fleet.pools]), hide_index=True, width="stretch")
-            page = ui.call(lambda: api.workers(limit=200))
+            page = ui.call(lambda: session.read(calls.workers(limit=200)))
             if page is not None:
                 st.dataframe(pd.DataFrame([{
                     "worker": w.id, "pool": w.pool, "state": "stale" if w.stale else (

@@ -8,8 +8,9 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from apiclient import calls
+from apiclient.models import DraftCheck, Policy
 from dashboard import ui
-from dashboard.client import DraftCheck, Policy
 
 _NEW_POLICY_TEMPLATE = """\
 apiVersion: specgate/v1
@@ -37,17 +38,17 @@ def _labels(text: str) -> dict[str, str]:
 def _dry_run_shape(policy: str) -> dict[str, Any] | None:
     st.markdown("**Dry run**: a request shape, and what the draft and the active revision decide for it.")
     c1, c2, c3, c4 = st.columns(4)
-    route = c1.text_input("route", value="chat", key=f"dry_route_{policy}")
-    model = c2.text_input("model", value="", key=f"dry_model_{policy}")
+    route = c1.text_input("route", value="chat", key=ui.key("dry_route", policy))
+    model = c2.text_input("model", value="", key=ui.key("dry_model", policy))
     batch = c3.number_input("batch size", min_value=0, max_value=100_000, value=2, step=1,
-                            key=f"dry_batch_{policy}")
+                            key=ui.key("dry_batch", policy))
     max_tokens = c4.number_input("max_tokens (0: not set)", min_value=0, max_value=1_000_000, value=256,
-                                 key=f"dry_max_{policy}")
+                                 key=ui.key("dry_max", policy))
     c5, c6, c7, c8 = st.columns(4)
-    structured = c5.checkbox("structured output", key=f"dry_structured_{policy}")
-    tools = c6.checkbox("tools", key=f"dry_tools_{policy}")
-    stream = c7.checkbox("stream", key=f"dry_stream_{policy}")
-    labels = c8.text_input("labels (k=v, ...)", value="", key=f"dry_labels_{policy}")
+    structured = c5.checkbox("structured output", key=ui.key("dry_structured", policy))
+    tools = c6.checkbox("tools", key=ui.key("dry_tools", policy))
+    stream = c7.checkbox("stream", key=ui.key("dry_stream", policy))
+    labels = c8.text_input("labels (k=v, ...)", value="", key=ui.key("dry_labels", policy))
     shape: dict[str, Any] = {"route": route, "batch_size": int(batch), "structured_output": structured,
                              "tools": tools, "stream": stream, "labels": _labels(labels)}
     if model:
@@ -59,30 +60,29 @@ def _dry_run_shape(policy: str) -> dict[str, Any] | None:
 
 def _new_policy(session: ui.Session) -> None:
     with st.expander("New policy", expanded=False):
-        with st.form("new_policy"):
+        with st.form(ui.key("new_policy")):
             name = st.text_input("name (letters, digits, _ . -)")
             pool = st.text_input("pool (empty: every pool without a policy of its own)")
             description = st.text_input("description")
             pressed = st.form_submit_button("Create policy", disabled=not session.can_edit)
         if pressed:
-            created = ui.call(lambda: session.api.create_policy(name.strip(), pool.strip() or None,
-                                                                description.strip() or None))
+            created = ui.call(lambda: session.write(calls.create_policy(
+                name.strip(), pool=pool.strip() or None, description=description.strip() or None)))
             if created is not None:
                 ui.flash(f"Policy {created.name} created: write its first revision below.")
-                st.session_state["sg_policy"] = created.name
+                st.session_state[ui.key("policy")] = created.name
                 st.rerun()
 
 
 def _editor(session: ui.Session, policy: Policy) -> None:
-    api = session.api
-    key = f"sg_editor_{policy.name}"
+    key = ui.key("editor", policy.name)
     # The head the editor's text was based on: saving builds on it (If-Match), so a revision someone else
     # saved in the meantime is a conflict to look at, not something silently overwritten.
-    base_key = f"sg_base_{policy.name}"
+    base_key = ui.key("base", policy.name)
     if key not in st.session_state:
         start = _NEW_POLICY_TEMPLATE.format(name=policy.name)
         if policy.head_revision_id:
-            head = ui.call(lambda: api.revision(policy.head_revision_id or ""))
+            head = ui.call(lambda: session.revision(policy.head_revision_id or ""))
             if head is not None:
                 start = head.source_text or head.canonical_yaml
         st.session_state[key] = start
@@ -92,7 +92,7 @@ def _editor(session: ui.Session, policy: Policy) -> None:
         c1, c2 = st.columns([4, 1])
         c1.warning(f"A newer revision `{ui.short(policy.head_revision_id)}` was saved since this editor loaded "
                    f"`{ui.short(base)}`: saving is refused until you reload it (your text is lost then).")
-        if c2.button("Load the newest", key=f"reload_{policy.name}"):
+        if c2.button("Load the newest", key=ui.key("reload", policy.name)):
             del st.session_state[key]
             st.rerun()
     text = st.text_area("Policy document (YAML)", key=key, height=360,
@@ -101,12 +101,12 @@ def _editor(session: ui.Session, policy: Policy) -> None:
     with st.expander("Dry run", expanded=True):
         shape = _dry_run_shape(policy.name)
 
-    check: DraftCheck | None = ui.call(lambda: api.validate(policy.name, text,
-                                                            shapes=[shape] if shape else []))
+    check: DraftCheck | None = ui.call(lambda: session.check(calls.validate(policy.name, text,
+                                                                            shapes=[shape] if shape else [])))
     if check is None:
-        st.session_state[f"sg_valid_{policy.name}"] = False
+        st.session_state[ui.key("valid", policy.name)] = False
         return
-    st.session_state[f"sg_valid_{policy.name}"] = True
+    st.session_state[ui.key("valid", policy.name)] = True
     if check.existing:
         st.success(f"Valid. This document is already revision `{ui.short(check.revision_id)}`.")
     else:
@@ -116,7 +116,7 @@ def _editor(session: ui.Session, policy: Policy) -> None:
         rows = [{"revision": "draft", "engine": e.decision.engine, "speculate": e.decision.speculate,
                  "k": e.decision.num_speculative_tokens, "rule": e.decision.rule} for e in check.evaluations]
         if policy.active_revision_id:
-            active = ui.call(lambda: api.evaluate(policy.active_revision_id or "", [shape]))
+            active = ui.call(lambda: session.check(calls.evaluate(policy.active_revision_id or "", [shape])))
             for e in active or []:
                 rows.append({"revision": f"active ({ui.short(policy.active_revision_id)})",
                              "engine": e.decision.engine, "speculate": e.decision.speculate,
@@ -134,8 +134,8 @@ def _editor(session: ui.Session, policy: Policy) -> None:
             st.markdown(f"- {line}")
         st.code(check.diff.unified, language="diff")
 
-    with st.form(f"save_{policy.name}"):
-        message = st.text_input("Message (why this revision exists)", key=f"sg_message_{policy.name}",
+    with st.form(ui.key("save", policy.name)):
+        message = st.text_input("Message (why this revision exists)", key=ui.key("message", policy.name),
                                 disabled=not session.can_edit)
         pressed = st.form_submit_button("Save as draft revision", disabled=not session.can_edit or check.existing,
                                         type="primary")
@@ -143,9 +143,11 @@ def _editor(session: ui.Session, policy: Policy) -> None:
         if not message.strip():
             st.warning("Write a message: it stays with the revision in the history.")
             return
-        saved = ui.call(lambda: api.save_revision(policy.name, text, message.strip(), head=base))
+        # Building on the head the text came from; a policy without revisions has none to build on.
+        saved = ui.call(lambda: session.change(calls.create_revision(
+            policy.name, text, message=message.strip(), if_match=f'"{base}"' if base else "*")))
         if saved is not None:
-            revision, created = saved
+            revision, created = saved.data, saved.status == 201
             if created:
                 st.session_state[base_key] = revision.id
             state = "active (the policy's first revision)" if revision.active else "a draft: roll it out from Rollouts"
@@ -155,10 +157,10 @@ def _editor(session: ui.Session, policy: Policy) -> None:
 
 
 def _history(session: ui.Session, policy: Policy) -> None:
-    stack_key = f"sg_hist_cursors_{policy.name}"
+    stack_key = ui.key("hist_cursors", policy.name)
     cursors: list[int | None] = st.session_state.setdefault(stack_key, [None])
-    page = ui.call(lambda: session.api.revisions(policy.name, cursor=cursors[-1],
-                                                 limit=session.settings.page_size))
+    page = ui.call(lambda: session.read(calls.revisions(policy.name, cursor=cursors[-1],
+                                                        limit=session.settings.page_size)))
     if page is None:
         return
     if not page.items:
@@ -169,18 +171,18 @@ def _history(session: ui.Session, policy: Policy) -> None:
         "message": r.message, "created": r.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
     } for r in page.items]), hide_index=True, width="stretch")
     c1, c2, _ = st.columns([1, 1, 4])
-    if c1.button("Newer", disabled=len(cursors) == 1, key=f"hist_newer_{policy.name}"):
+    if c1.button("Newer", disabled=len(cursors) == 1, key=ui.key("hist_newer", policy.name)):
         cursors.pop()
         st.rerun()
-    if c2.button("Older", disabled=page.next_cursor is None, key=f"hist_older_{policy.name}"):
+    if c2.button("Older", disabled=page.next_cursor is None, key=ui.key("hist_older", policy.name)):
         cursors.append(page.next_cursor)
         st.rerun()
     chosen = st.selectbox("Show revision", [r.id for r in page.items],
                           format_func=lambda rid: next(f"#{r.seq} {ui.short(r.id)} {r.message}"
                                                        for r in page.items if r.id == rid),
-                          key=f"hist_pick_{policy.name}")
+                          key=ui.key("hist_pick", policy.name))
     if chosen:
-        revision = ui.call(lambda: session.api.revision(chosen))
+        revision = ui.call(lambda: session.revision(chosen))
         if revision is not None:
             st.code(revision.canonical_yaml, language="yaml")
 
@@ -193,15 +195,15 @@ def render() -> None:
     ui.show_flash()
     ui.read_only_note(session, need=ui.EDIT_SCOPES)
     _new_policy(session)
-    policies = ui.call(session.api.policies)
+    policies = ui.call(lambda: session.read(calls.policies()))
     if not policies:
         if policies is not None:
             st.info("No policies yet.")
         return
     names = [p.name for p in policies]
-    if st.session_state.get("sg_policy") not in names:
-        st.session_state["sg_policy"] = names[0]
-    name = st.selectbox("Policy", names, key="sg_policy")
+    if st.session_state.get(ui.key("policy")) not in names:
+        st.session_state[ui.key("policy")] = names[0]
+    name = st.selectbox("Policy", names, key=ui.key("policy"))
     policy = next(p for p in policies if p.name == name)
     c1, c2, c3, c4 = st.columns(4)
     c1.metric("Pool", policy.pool or "(any)")

@@ -15,8 +15,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from apiclient import ApiError, calls
+from apiclient.models import Recommendation
 from dashboard import ui
-from dashboard.client import ApiError, Recommendation
 
 NOT_AVAILABLE = "Analysis not available: this control plane does not serve recommendations."
 WINDOWS = {"last hour": dt.timedelta(hours=1), "last 6 hours": dt.timedelta(hours=6),
@@ -86,8 +87,8 @@ def _card(session: ui.Session, rec: Recommendation, policy: str, params: dict[st
         if not rec.applicable:
             st.caption("A flag to look at: there is no edit to apply.")
             return
-        if st.button("Create draft revision", key=f"apply_{rec.id}", disabled=not session.can_edit):
-            applied = ui.call(lambda: session.api.apply_recommendation(rec.id, policy, **params))
+        if st.button("Create draft revision", key=ui.key("apply", rec.id), disabled=not session.can_edit):
+            applied = ui.call(lambda: session.write(calls.apply_recommendation(rec.id, policy, **params)))
             if applied is not None:
                 ui.flash(f"Draft revision #{applied.seq} `{ui.short(applied.revision)}` of {policy} created: "
                          "review it on the Policies page, roll it out from Rollouts.")
@@ -98,23 +99,24 @@ def _what_if(session: ui.Session, policy: str, params: dict[str, Any]) -> None:
     st.subheader("What-if")
     st.caption("Score a revision (a draft, typically) on the recorded window: every recorded request is decided "
                "again, latency estimated from the measured per-bucket numbers.")
-    page = ui.call(lambda: session.api.revisions(policy, limit=100))
+    page = ui.call(lambda: session.read(calls.revisions(policy, limit=100)))
     if page is None or not page.items:
         return
     labels = {r.id: f"#{r.seq} {ui.short(r.id)}{' (active)' if r.active else ''} {r.message}" for r in page.items}
-    revision = st.selectbox("Revision", list(labels), format_func=labels.__getitem__, key=f"whatif_rev_{policy}")
-    if st.button("Score it", key="whatif_run"):
+    revision = st.selectbox("Revision", list(labels), format_func=labels.__getitem__,
+                            key=ui.key("whatif_rev", policy))
+    if st.button("Score it", key=ui.key("whatif_run")):
         try:
-            report = session.api.what_if(policy, revision=revision, since=params.get("since"),
-                                         until=params.get("until"))
+            report = session.check(calls.what_if(policy, revision=revision, since=params.get("since"),
+                                                 until=params.get("until")))
         except ApiError as exc:
             if _missing(exc):
                 st.info("What-if is not available on this control plane.")
             else:
                 ui.show_problem(exc.problem)
             return
-        st.session_state["whatif_report"] = report.model_dump()
-    shown = st.session_state.get("whatif_report")
+        st.session_state[ui.key("whatif_report")] = report.model_dump()
+    shown = st.session_state.get(ui.key("whatif_report"))
     if shown and shown.get("policy") == policy:
         total = shown.get("all_routes") or {}
         itl = total.get("itl_ms_mean") or {}
@@ -138,7 +140,7 @@ def render() -> None:
     session = ui.require_session()
     st.title("Recommendations")
     ui.show_flash()
-    policies = ui.call(session.api.policies)
+    policies = ui.call(lambda: session.read(calls.policies()))
     if policies is None:
         return
     names = [p.name for p in policies if p.active_revision_id]
@@ -146,14 +148,14 @@ def render() -> None:
         st.info("No policy has an active revision to analyse.")
         return
     c1, c2, c3 = st.columns(3)
-    policy = c1.selectbox("Policy", names, key="rec_policy")
-    window = c2.selectbox("Recorded window", list(WINDOWS), index=2, key="rec_window")
+    policy = c1.selectbox("Policy", names, key=ui.key("rec_policy"))
+    window = c2.selectbox("Recorded window", list(WINDOWS), index=2, key=ui.key("rec_window"))
     min_samples = c3.number_input("Requests per cohort before a bucket counts", min_value=2, max_value=1_000_000,
-                                  value=100, step=10, key="rec_min_samples")
+                                  value=100, step=10, key=ui.key("rec_min_samples"))
     until = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
     params: dict[str, Any] = {"since": until - WINDOWS[window], "until": until, "min_samples": int(min_samples)}
     try:
-        listing = session.api.recommendations(policy, **params)
+        listing = session.read(calls.recommendations(policy, **params))
     except ApiError as exc:
         if _missing(exc):
             st.info(NOT_AVAILABLE)

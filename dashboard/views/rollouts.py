@@ -8,8 +8,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from apiclient import ApiError, calls
+from apiclient.models import Policy, RevisionSummary, Rollout
 from dashboard import ui
-from dashboard.client import ApiError, Policy, RevisionSummary, Rollout
 from dashboard.views.common import open_rollouts_of
 
 _ACTION_WORDS = {"promote": "move to the next step (the last step completes the rollout)",
@@ -18,7 +19,7 @@ _ACTION_WORDS = {"promote": "move to the next step (the last step completes the 
 
 
 def _revisions(session: ui.Session, policy: str) -> list[RevisionSummary]:
-    page = ui.call(lambda: session.api.revisions(policy, limit=200))
+    page = ui.call(lambda: session.read(calls.revisions(policy, limit=200)))
     return page.items if page is not None else []
 
 
@@ -35,7 +36,7 @@ def _steps(text: str) -> list[float] | None:
 
 def _kill_switch(session: ui.Session) -> None:
     st.subheader("Kill switch")
-    switch = ui.call(session.api.kill_switch)
+    switch = ui.call(lambda: session.read(calls.kill_switch()))
     if switch is None:
         return
     if switch.enabled:
@@ -50,7 +51,7 @@ def _kill_switch(session: ui.Session) -> None:
     reason = ui.confirmed("killswitch", what=what, button="Turn the kill switch ON" if target
                           else "Turn the kill switch OFF", disabled=not session.can_operate)
     if reason is not None:
-        changed = ui.call(lambda: session.api.set_kill_switch(target, reason))
+        changed = ui.call(lambda: session.write(calls.set_kill_switch(target, reason=reason)))
         if changed is not None:
             ui.flash(f"Kill switch is now {'ON' if changed.enabled else 'off'}.")
             st.rerun()
@@ -59,7 +60,7 @@ def _kill_switch(session: ui.Session) -> None:
 def _guardrails(session: ui.Session, r: Rollout) -> None:
     """The latest guardrail evaluation of the rollout, when the control plane evaluates guardrails."""
     try:
-        history = session.api.guardrails(r.id, limit=1)
+        history = session.read(calls.guardrails(r.id, limit=1))
     except ApiError as exc:
         if exc.status not in (404, 405):
             ui.show_problem(exc.problem)
@@ -89,17 +90,17 @@ def _open_rollout(session: ui.Session, r: Rollout) -> None:
         actions = [a for a in r.allowed_actions if a in _ACTION_WORDS]
         if not actions:
             return
-        key = f"act_{r.id}"
+        form = f"act_{r.id}"
 
         def pick() -> None:
-            st.selectbox("Action", actions, key=f"{key}_action",
+            st.selectbox("Action", actions, key=ui.key(form, "action"),
                          format_func=lambda a: f"{a}: {_ACTION_WORDS[a]}", disabled=not session.can_operate)
 
-        reason = ui.confirmed(key, what=f"change the rollout of {r.policy}", button="Apply",
+        reason = ui.confirmed(form, what=f"change the rollout of {r.policy}", button="Apply",
                               disabled=not session.can_operate, extra=pick)
         if reason is not None:
-            action = st.session_state.get(f"{key}_action", actions[0])
-            done = ui.call(lambda: session.api.rollout_action(r.id, action, reason))
+            action = st.session_state.get(ui.key(form, "action"), actions[0])
+            done = ui.call(lambda: session.write(calls.rollout_action(r.id, action, reason=reason)))
             if done is not None:
                 ui.flash(f"Rollout of {done.policy}: {action} done; it is now {done.state} "
                          f"({done.current_percent:g}%).")
@@ -112,7 +113,7 @@ def _start(session: ui.Session, policies: list[Policy]) -> None:
     if not names:
         st.caption("No policy has an active revision to roll out from.")
         return
-    name = st.selectbox("Policy", names, key="start_policy")
+    name = st.selectbox("Policy", names, key=ui.key("start_policy"))
     policy = next(p for p in policies if p.name == name)
     candidates = [r for r in _revisions(session, name) if not r.active]
     if not candidates:
@@ -121,33 +122,34 @@ def _start(session: ui.Session, policies: list[Policy]) -> None:
     labels = {r.id: _label(r) for r in candidates}
 
     def fields() -> None:
-        st.selectbox("Revision to roll out", list(labels), format_func=labels.__getitem__, key="start_revision",
-                     disabled=not session.can_operate)
+        st.selectbox("Revision to roll out", list(labels), format_func=labels.__getitem__,
+                     key=ui.key("start_revision"), disabled=not session.can_operate)
         c1, c2 = st.columns(2)
-        c1.radio("Mode", ["traffic", "workers"], key="start_mode", horizontal=True,
+        c1.radio("Mode", ["traffic", "workers"], key=ui.key("start_mode"), horizontal=True,
                  help="traffic: each worker splits requests by a sticky hash; workers: a share of the workers "
                       "runs the new revision", disabled=not session.can_operate)
-        c2.text_input("Steps (percent, comma separated, last 100)", value="10,50,100", key="start_steps",
+        c2.text_input("Steps (percent, comma separated, last 100)", value="10,50,100", key=ui.key("start_steps"),
                       disabled=not session.can_operate)
         c3, c4 = st.columns(2)
         c3.text_input("Target pool (empty: all the policy's workers)", value=policy.pool or "",
-                      key=f"start_pool_{name}", disabled=not session.can_operate)
-        c4.text_input("Target labels (k=v, ...)", key="start_labels", disabled=not session.can_operate)
+                      key=ui.key("start_pool", name), disabled=not session.can_operate)
+        c4.text_input("Target labels (k=v, ...)", key=ui.key("start_labels"), disabled=not session.can_operate)
 
     reason = ui.confirmed("start", what=f"start moving {name} to the chosen revision", button="Start rollout",
                           disabled=not session.can_operate, extra=fields)
     if reason is None:
         return
-    steps = _steps(st.session_state.get("start_steps", ""))
+    steps = _steps(st.session_state.get(ui.key("start_steps"), ""))
     if not steps:
         st.warning("Steps must be numbers separated by commas, e.g. 10,50,100.")
         return
-    labels_text = st.session_state.get("start_labels", "")
+    labels_text = st.session_state.get(ui.key("start_labels"), "")
     target_labels = {k.strip(): v.strip() for k, _, v in (p.partition("=") for p in labels_text.split(",") if p)
                      if k.strip()}
-    started = ui.call(lambda: session.api.start_rollout(
-        policy=name, revision=st.session_state["start_revision"], mode=st.session_state.get("start_mode", "traffic"),
-        steps=steps, pool=st.session_state.get(f"start_pool_{name}") or None, labels=target_labels, reason=reason))
+    started = ui.call(lambda: session.write(calls.start_rollout(
+        policy=name, revision=st.session_state[ui.key("start_revision")],
+        mode=st.session_state.get(ui.key("start_mode"), "traffic"), steps=steps, reason=reason,
+        pool=st.session_state.get(ui.key("start_pool", name)) or None, labels=target_labels)))
     if started is not None:
         ui.flash(f"Rollout of {name} to `{ui.short(started.to_revision)}` started at {started.current_percent:g}%.")
         st.rerun()
@@ -158,7 +160,7 @@ def _rollback(session: ui.Session, policies: list[Policy]) -> None:
     names = [p.name for p in policies if p.active_revision_id]
     if not names:
         return
-    name = st.selectbox("Policy", names, key="rollback_policy")
+    name = st.selectbox("Policy", names, key=ui.key("rollback_policy"))
     candidates = [r for r in _revisions(session, name) if not r.active]
     if not candidates:
         st.caption(f"{name} has no other revision to go back to.")
@@ -167,12 +169,13 @@ def _rollback(session: ui.Session, policies: list[Policy]) -> None:
 
     def fields() -> None:
         st.selectbox("Make this revision active now", list(labels), format_func=labels.__getitem__,
-                     key="rollback_revision", disabled=not session.can_operate)
+                     key=ui.key("rollback_revision"), disabled=not session.can_operate)
 
     reason = ui.confirmed("rollback", what=f"make the chosen revision of {name} active at once (ends its rollout)",
                           button="Roll back", disabled=not session.can_operate, extra=fields)
     if reason is not None:
-        done = ui.call(lambda: session.api.rollback(name, st.session_state["rollback_revision"], reason))
+        done = ui.call(lambda: session.write(calls.rollback(name, st.session_state[ui.key("rollback_revision")],
+                                                            reason=reason)))
         if done is not None:
             ended = f"; rollout {done.ended_rollout.id[:8]} ended" if done.ended_rollout else ""
             ui.flash(f"{done.policy} rolled back to `{ui.short(done.active_revision)}`{ended}.")
@@ -181,8 +184,8 @@ def _rollback(session: ui.Session, policies: list[Policy]) -> None:
 
 def _history(session: ui.Session) -> None:
     st.subheader("All rollouts")
-    cursors: list[str | None] = st.session_state.setdefault("sg_rollout_cursors", [None])
-    page = ui.call(lambda: session.api.rollouts(cursor=cursors[-1], limit=session.settings.page_size))
+    cursors: list[str | None] = st.session_state.setdefault(ui.key("rollout_cursors"), [None])
+    page = ui.call(lambda: session.read(calls.rollouts(cursor=cursors[-1], limit=session.settings.page_size)))
     if page is None:
         return
     if not page.items:
@@ -194,10 +197,10 @@ def _history(session: ui.Session) -> None:
         "started": r.created_at.strftime("%Y-%m-%d %H:%M UTC"), "reason": r.reason,
     } for r in page.items]), hide_index=True, width="stretch")
     c1, c2, _ = st.columns([1, 1, 4])
-    if c1.button("Newer", disabled=len(cursors) == 1, key="rollouts_newer"):
+    if c1.button("Newer", disabled=len(cursors) == 1, key=ui.key("rollouts_newer")):
         cursors.pop()
         st.rerun()
-    if c2.button("Older", disabled=page.next_cursor is None, key="rollouts_older"):
+    if c2.button("Older", disabled=page.next_cursor is None, key=ui.key("rollouts_older")):
         cursors.append(page.next_cursor)
         st.rerun()
 
@@ -207,7 +210,7 @@ def render() -> None:
     st.title("Rollouts")
     ui.show_flash()
     ui.read_only_note(session, need=ui.OPERATE_SCOPES)
-    policies = ui.call(session.api.policies) or []
+    policies = ui.call(lambda: session.read(calls.policies())) or []
     st.subheader("In progress")
     open_rollouts = open_rollouts_of(session)
     if not open_rollouts:

@@ -7,8 +7,9 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
+from apiclient import calls
+from apiclient.models import Policy, RollupReport
 from dashboard import charts, ui
-from dashboard.client import ApiClient, Policy, RollupReport
 from dashboard.views.common import active_documents
 
 WINDOWS = {"last 15 minutes": dt.timedelta(minutes=15), "last hour": dt.timedelta(hours=1),
@@ -23,9 +24,10 @@ def _values(report: RollupReport | None, field: str) -> list[str]:
     return sorted({str(getattr(g.key, field)) for g in report.groups if getattr(g.key, field) is not None})
 
 
-def _rollups(api: ApiClient, group_by: list[str], filters: dict[str, str | None], since: dt.datetime,
+def _rollups(session: ui.Session, group_by: list[str], filters: dict[str, str | None], since: dt.datetime,
              until: dt.datetime, limit: int) -> RollupReport | None:
-    report = ui.call(lambda: api.rollups(group_by=group_by, since=since, until=until, limit=limit, **filters))
+    report = ui.call(lambda: session.read(calls.rollups(group_by=group_by, since=since, until=until, limit=limit,
+                                                        **filters)))
     if report is not None and report.truncated:
         st.warning(f"More than {limit} groups matched: the chart shows part of the window. Narrow the filters "
                    "or the window.")
@@ -47,23 +49,24 @@ def _thresholds(df: pd.DataFrame, documents: dict[str, dict[str, object]]) -> di
 
 def render() -> None:
     session = ui.require_session()
-    api = session.api
     st.title("Telemetry")
-    policies: list[Policy] = ui.call(api.policies) or []
+    policies: list[Policy] = ui.call(lambda: session.read(calls.policies())) or []
     until = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
 
     c1, c2, c3, c4, c5 = st.columns(5)
-    window = c1.selectbox("Window", list(WINDOWS), index=1, key="tm_window")
+    window = c1.selectbox("Window", list(WINDOWS), index=1, key=ui.key("tm_window"))
     since = until - WINDOWS[window]
     pools = sorted({p.pool or "(any)" for p in policies})
-    pool = c2.selectbox("Pool", [ALL, *pools], key="tm_pool",
+    pool = c2.selectbox("Pool", [ALL, *pools], key=ui.key("tm_pool"),
                         help="a pool is served by one policy: this filters by that policy")
     policy_names = [p.name for p in policies if pool in (ALL, p.pool or "(any)")]
-    policy = c3.selectbox("Policy", [ALL, *policy_names] if pool == ALL else policy_names, key="tm_policy")
+    policy = c3.selectbox("Policy", [ALL, *policy_names] if pool == ALL else policy_names,
+                          key=ui.key("tm_policy"))
     base_filters: dict[str, str | None] = {"policy": None if policy == ALL else policy}
-    options = _rollups(api, ["route", "revision"], base_filters, since, until, session.settings.telemetry_limit)
-    route = c4.selectbox("Route", [ALL, *_values(options, "route")], key="tm_route")
-    revision = c5.selectbox("Revision", [ALL, *_values(options, "revision")], key="tm_revision",
+    options = _rollups(session, ["route", "revision"], base_filters, since, until,
+                       session.settings.telemetry_limit)
+    route = c4.selectbox("Route", [ALL, *_values(options, "route")], key=ui.key("tm_route"))
+    revision = c5.selectbox("Revision", [ALL, *_values(options, "revision")], key=ui.key("tm_revision"),
                             format_func=lambda r: r if r == ALL else r[:12])
     filters = {**base_filters, "route": None if route == ALL else route,
                "revision": None if revision == ALL else revision}
@@ -72,10 +75,10 @@ def render() -> None:
     if options is not None and not options.groups:
         st.info("No telemetry in this window: sidecars send it as requests are served.")
         return
-    documents = active_documents(api, [p for p in policies if filters["policy"] in (None, p.name)])
+    documents = active_documents(session, [p for p in policies if filters["policy"] in (None, p.name)])
     kinds = charts.engine_kinds(documents)
 
-    by_route = _rollups(api, ["minute", "route"], filters, since, until, limit)
+    by_route = _rollups(session, ["minute", "route"], filters, since, until, limit)
     if by_route is not None:
         df = charts.frame(by_route, kinds)
         if df.empty or df["acceptance"].isna().all():
@@ -83,7 +86,7 @@ def render() -> None:
         else:
             st.altair_chart(charts.acceptance_over_time(df), width="stretch")
 
-    by_batch = _rollups(api, ["route", "batch_bucket", "policy", "engine"], filters, since, until, limit)
+    by_batch = _rollups(session, ["route", "batch_bucket", "policy", "engine"], filters, since, until, limit)
     if by_batch is not None:
         batch_df = charts.frame(by_batch, kinds)
         merged = charts.itl_by_batch(batch_df)
@@ -94,11 +97,11 @@ def render() -> None:
             st.caption("Speculative and plain at the same batch size come from the exploration holdout and from "
                        "rollouts; where the red line rises above the blue one, speculation costs latency.")
 
-    by_minute = _rollups(api, ["minute"], filters, since, until, limit)
+    by_minute = _rollups(session, ["minute"], filters, since, until, limit)
     if by_minute is not None and by_minute.groups:
         minute_df = charts.frame(by_minute, kinds)
-        rollouts = ui.call(lambda: api.rollouts(policy=filters["policy"], limit=100))
-        rollbacks = ui.call(lambda: api.audit(action="policy.rollback", limit=100))
+        rollouts = ui.call(lambda: session.read(calls.rollouts(policy=filters["policy"], limit=100)))
+        rollbacks = ui.call(lambda: session.read(calls.audit(action="policy.rollback", limit=100)))
         marks = charts.markers(rollouts.items if rollouts else [],
                                [(e.at, f"{e.target_id}: rolled back ({e.reason})") for e in rollbacks.items
                                 if filters["policy"] in (None, e.target_id)] if rollbacks else [],

@@ -14,7 +14,9 @@ from typing import Annotated, Any
 
 import typer
 
-from specgate.commands.rest import DEFAULT_URL, Api, JsonOpt, KeyOpt, UrlOpt, fail, show
+from apiclient import calls
+from apiclient.models import Recommendation
+from specgate.commands.rest import DEFAULT_URL, JsonOpt, KeyOpt, UrlOpt, control_plane, fail, show
 
 analysis_app = typer.Typer(help="Telemetry analysis: summaries, speedups, before/after, what-if, guardrails.",
                            no_args_is_help=True)
@@ -24,20 +26,6 @@ recommend_app = typer.Typer(help="Recommended rule edits, with evidence; apply o
 FromOpt = Annotated[str | None, typer.Option("--from", help="window start, ISO 8601 (UTC if no zone)")]
 ToOpt = Annotated[str | None, typer.Option("--to", help="window end, exclusive")]
 PolicyOpt = Annotated[str, typer.Option("--policy", help="the policy's name")]
-
-def _api(url: str, key: str) -> Api:
-    return Api(url, key)
-
-
-_show = show
-
-
-def _params(**values: Any) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _window(start: str | None, end: str | None) -> dict[str, Any]:
-    return _params(**{"from": start, "to": end})
 
 
 def _fmt(value: Any, spec: str = ".3g") -> str:
@@ -52,22 +40,23 @@ def summary(policy: Annotated[str | None, typer.Option()] = None, route: Annotat
             start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
             key: KeyOpt = "") -> None:
     """Requests, acceptance, p50/p95 latencies and rates per group (from the rollups)."""
-    data = _api(url, key).call("GET", "/v1/analysis/summary", params=_params(
-        policy=policy, route=route, group_by=group_by, window=window, **_window(start, end))).json()
+    with control_plane(url, key) as api:
+        reply = api.send(calls.summary(group_by=group_by, policy=policy, route=route, window=window, since=start,
+                                       until=end))
     if as_json:
-        _show(data, True)
+        show(reply.json, True)
         return
-    if data.get("workers") is not None:
-        for w in data["workers"]:
-            typer.echo(f"{w['key']['worker_id']:<24} n={w['requests']:<8} acc={_fmt(w['acceptance_rate'])} "
-                       f"itl_mean={_fmt(w['itl_ms_mean'])}ms err={_fmt(w['error_rate'])}")
+    if reply.data.workers is not None:
+        for w in reply.data.workers:
+            typer.echo(f"{w.key['worker_id']:<24} n={w.requests:<8} acc={_fmt(w.acceptance_rate)} "
+                       f"itl_mean={_fmt(w.itl_ms_mean)}ms err={_fmt(w.error_rate)}")
         return
-    for row in data["rows"]:
-        key = " ".join(f"{k}={v}" for k, v in row["key"].items() if k != "batch_bucket")
-        typer.echo(f"{key:<48} n={row['requests']:<8} acc={_fmt(row['acceptance_rate'])} "
-                   f"itl p50/p95={_fmt(row['itl_ms']['p50'])}/{_fmt(row['itl_ms']['p95'])}ms "
-                   f"e2e p95={_fmt(row['e2e_ms']['p95'])}ms retries={_fmt(row['retry_rate'])} "
-                   f"err={_fmt(row['error_rate'])}")
+    for row in reply.data.rows:
+        group = " ".join(f"{k}={v}" for k, v in row.key.items() if k != "batch_bucket")
+        typer.echo(f"{group:<48} n={row.requests:<8} acc={_fmt(row.acceptance_rate)} "
+                   f"itl p50/p95={_fmt(row.itl_ms.p50)}/{_fmt(row.itl_ms.p95)}ms "
+                   f"e2e p95={_fmt(row.e2e_ms.p95)}ms retries={_fmt(row.retry_rate)} "
+                   f"err={_fmt(row.error_rate)}")
 
 
 @analysis_app.command("speedups")
@@ -76,18 +65,18 @@ def speedups(policy: PolicyOpt, route: Annotated[str | None, typer.Option()] = N
              start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
              key: KeyOpt = "") -> None:
     """Speculative vs plain per route and batch bucket, with intervals and sample sizes."""
-    data = _api(url, key).call("GET", "/v1/analysis/speedups", params=_params(
-        policy=policy, route=route, rollout=rollout, **_window(start, end))).json()
+    with control_plane(url, key) as api:
+        reply = api.send(calls.speedups(policy, route=route, rollout=rollout, since=start, until=end))
     if as_json:
-        _show(data, True)
+        show(reply.json, True)
         return
-    for row in data["rows"]:
-        itl = row["itl_speedup"]
-        ci = f"{itl['ratio']:.2f} [{itl['low']:.2f}, {itl['high']:.2f}]" if itl else "-"
-        theory = row["theory"]["speedup"] if row["theory"] else None
-        typer.echo(f"{row['route']:<16} batch {row['batch_range']:<6} ITL speedup {ci:<22} "
-                   f"n={row['n_speculative']}/{row['n_plain']:<6} theory={_fmt(theory)} {row['verdict']} "
-                   f"({row['source']})")
+    for row in reply.data.rows:
+        itl = row.itl_speedup
+        ci = f"{itl.ratio:.2f} [{itl.low:.2f}, {itl.high:.2f}]" if itl else "-"
+        theory = row.theory.speedup if row.theory else None
+        typer.echo(f"{row.route:<16} batch {row.batch_range:<6} ITL speedup {ci:<22} "
+                   f"n={row.n_speculative}/{row.n_plain:<6} theory={_fmt(theory)} {row.verdict} "
+                   f"({row.source})")
 
 
 @analysis_app.command("before-after")
@@ -98,10 +87,9 @@ def before_after(rollout: Annotated[str | None, typer.Option()] = None,
                  start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
                  key: KeyOpt = "") -> None:
     """p50/p95, retries and acceptance per route for a rollout (or two revisions over a window)."""
-    data = _api(url, key).call("GET", "/v1/analysis/before-after", params=_params(
-        rollout=rollout, policy=policy, from_revision=from_revision, to_revision=to_revision,
-        **_window(start, end))).json()
-    _show(data, as_json)
+    with control_plane(url, key) as api:
+        show(api.send(calls.before_after(rollout=rollout, policy=policy, from_revision=from_revision,
+                                         to_revision=to_revision, since=start, until=end)).json, as_json)
 
 
 @analysis_app.command("what-if")
@@ -113,73 +101,74 @@ def what_if(policy: PolicyOpt,
     """Score a candidate on the recorded window before it ships."""
     import yaml
 
-    body: dict[str, Any] = {"policy": policy, **_window(start, end)}
-    if revision is not None:
-        body["revision"] = revision
+    document: Any = None
     if file is not None:
         try:
-            body["document"] = yaml.safe_load(file.read_text())
+            document = yaml.safe_load(file.read_text())
         except (OSError, yaml.YAMLError) as exc:
             fail(f"cannot read {file}: {exc}", 2)
-    _show(_api(url, key).call("POST", "/v1/analysis/what-if", json=body).json(), as_json)
+    with control_plane(url, key) as api:
+        show(api.send(calls.what_if(policy, revision=revision, document=document, since=start, until=end)).json,
+             as_json)
 
 
 @analysis_app.command("cells")
 def cells(policy: PolicyOpt, out: Annotated[Path | None, typer.Option(help="write them to this file")] = None,
           start: FromOpt = None, end: ToOpt = None, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """The per-bucket statistics the recommender reads (for `specgate recommend offline`)."""
-    data = _api(url, key).call("GET", "/v1/analysis/cells", params=_params(policy=policy,
-                                                                           **_window(start, end))).json()
-    text = json.dumps(data, indent=1)
+    with control_plane(url, key) as api:
+        reply = api.send(calls.cells(policy, since=start, until=end))
+    text = json.dumps(reply.json, indent=1)
     if out is None:
         typer.echo(text)
     else:
         out.write_text(text + "\n")
-        typer.echo(f"{len(data['cells'])} cells written to {out}")
+        typer.echo(f"{len(reply.data.cells)} cells written to {out}")
 
 
 @analysis_app.command("guardrails")
 def guardrails(rollout_id: str, evaluate: Annotated[bool, typer.Option(help="evaluate the current step now")] = False,
                as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """A rollout's guardrail evaluations (newest first), or a new one with --evaluate."""
-    api = _api(url, key)
-    if evaluate:
-        _show(api.call("POST", f"/v1/rollouts/{rollout_id}/guardrails/evaluate").json(), as_json)
-        return
-    _show(api.call("GET", f"/v1/rollouts/{rollout_id}/guardrails").json(), as_json)
+    with control_plane(url, key) as api:
+        if evaluate:
+            show(api.send(calls.evaluate_guardrails(rollout_id)).json, as_json)
+            return
+        show(api.send(calls.guardrails(rollout_id)).json, as_json)
 
 
-def _print_recommendations(recs: list[dict[str, Any]]) -> None:
+def _print_recommendations(recs: list[Recommendation]) -> None:
     if not recs:
         typer.echo("no recommendations: nothing holds with confidence on this window")
     for rec in recs:
-        mark = "" if rec["applicable"] else "  (not applicable" + (
-            f": {rec['problems'][0]['message']})" if rec.get("problems") else ")")
-        typer.echo(f"[{rec['confidence']}] {rec['id']}  {rec['title']}{mark}\n    {rec['message']}")
+        mark = "" if rec.applicable else "  (not applicable" + (
+            f": {rec.problems[0]['message']})" if rec.problems else ")")
+        typer.echo(f"[{rec.confidence}] {rec.id}  {rec.title}{mark}\n    {rec.message}")
 
 
 @recommend_app.command("list")
 def recommend_list(policy: PolicyOpt, start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False,
                    url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """Recommended rule edits for the policy's active revision."""
-    data = _api(url, key).call("GET", "/v1/recommendations", params=_params(policy=policy,
-                                                                            **_window(start, end))).json()
+    with control_plane(url, key) as api:
+        reply = api.send(calls.recommendations(policy, since=start, until=end))
     if as_json:
-        _show(data, True)
+        show(reply.json, True)
     else:
-        _print_recommendations(data["recommendations"])
+        _print_recommendations(reply.data.recommendations)
 
 
 @recommend_app.command("apply")
 def recommend_apply(recommendation_id: str, policy: PolicyOpt, start: FromOpt = None, end: ToOpt = None,
                     as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """Create a draft revision with a recommendation's edit (same policy and window as the listing)."""
-    data = _api(url, key).call("POST", f"/v1/recommendations/{recommendation_id}/apply",
-                               params=_params(policy=policy, **_window(start, end))).json()
+    with control_plane(url, key) as api:
+        reply = api.send(calls.apply_recommendation(recommendation_id, policy, since=start, until=end))
     if as_json:
-        _show(data, True)
+        show(reply.json, True)
     else:
-        typer.echo(f"draft revision {data['revision']} (seq {data['seq']}): {data['message']}")
+        applied = reply.data
+        typer.echo(f"draft revision {applied.revision} (seq {applied.seq}): {applied.message}")
 
 
 @recommend_app.command("offline")
@@ -204,6 +193,6 @@ def recommend_offline(cells_file: Annotated[Path, typer.Option("--cells", help="
                      RecommendConfig(confidence=confidence, min_samples=min_samples))
     data = [r.to_dict() for r in recs]
     if as_json:
-        _show(data, True)
+        show(data, True)
     else:
-        _print_recommendations(data)
+        _print_recommendations([Recommendation.model_validate(item) for item in data])

@@ -6,14 +6,16 @@ from typing import Annotated, Any
 
 import typer
 
-from specgate.commands.rest import DEFAULT_URL, Api, JsonOpt, KeyOpt, UrlOpt, show
+from apiclient import calls
+from apiclient.models import Worker
+from specgate.commands.rest import DEFAULT_URL, JsonOpt, KeyOpt, UrlOpt, control_plane, show
 
 killswitch_app = typer.Typer(help="Fleet-wide kill switch for speculation.", no_args_is_help=True)
 
 
 def _killswitch(enabled: bool, reason: str, url: str, key: str, as_json: bool) -> None:
-    show(Api(url, key).call("PUT", "/v1/killswitch", json={"enabled": enabled, "reason": reason}).json(),
-           as_json)
+    with control_plane(url, key) as api:
+        show(api.send(calls.set_kill_switch(enabled, reason=reason)).json, as_json)
 
 
 @killswitch_app.command("on")
@@ -33,27 +35,30 @@ def killswitch_off(reason: Annotated[str, typer.Option()], as_json: JsonOpt = Fa
 @killswitch_app.command("status")
 def killswitch_status(as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """Show the kill switch."""
-    show(Api(url, key).call("GET", "/v1/killswitch").json(), as_json)
+    with control_plane(url, key) as api:
+        show(api.send(calls.kill_switch()).json, as_json)
 
 
 def workers(pool: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False,
             url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """The fleet: which revision each worker runs and whether it converged."""
-    api = Api(url, key)
-    fleet = api.call("GET", "/v1/fleet").json()
-    items: list[dict[str, Any]] = []
-    params: dict[str, str] = {"pool": pool} if pool else {}
-    while True:  # every page: the API gives at most `limit` workers at a time
-        page = api.call("GET", "/v1/workers", params=params).json()
-        items.extend(page["items"])
-        if not page.get("next_cursor"):
-            break
-        params["cursor"] = page["next_cursor"]
+    raw: list[dict[str, Any]] = []
+    items: list[Worker] = []
+    with control_plane(url, key) as api:
+        fleet = api.send(calls.fleet())
+        cursor: str | None = None
+        while True:  # every page: the API gives at most `limit` workers at a time
+            page = api.send(calls.workers(pool=pool or None, cursor=cursor))
+            raw.extend(page.json["items"])
+            items.extend(page.data.items)
+            cursor = page.data.next_cursor
+            if not cursor:
+                break
     if as_json:
-        show({"fleet": fleet, "workers": items}, True)
+        show({"fleet": fleet.json, "workers": raw}, True)
         return
-    typer.echo(f"converged: {fleet['overall']['converged']}")
+    typer.echo(f"converged: {fleet.data.overall.converged}")
     for w in items:
-        mark = "stale" if w.get("stale") else ("ok" if w.get("converged") else "converging")
-        typer.echo(f"{w['id']:<32} pool={w['pool']:<16} etag={str(w.get('active_etag'))[:12]:<12} "
-                   f"expected={str(w.get('expected_etag'))[:12]:<12} {mark}")
+        mark = "stale" if w.stale else ("ok" if w.converged else "converging")
+        typer.echo(f"{w.id:<32} pool={w.pool:<16} etag={str(w.active_etag)[:12]:<12} "
+                   f"expected={str(w.expected_etag)[:12]:<12} {mark}")

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from specgate.commands.rest import DEFAULT_URL, Api, JsonOpt, KeyOpt, UrlOpt, fail, show
+from apiclient import ApiError, calls
+from specgate.commands.rest import DEFAULT_URL, JsonOpt, KeyOpt, UrlOpt, control_plane, fail, show
 
 
 def apply(file: Annotated[Path, typer.Option("-f", "--file", help="policy document (YAML or JSON)")],
@@ -26,32 +27,31 @@ def apply(file: Annotated[Path, typer.Option("-f", "--file", help="policy docume
     except PolicyValidationError as exc:
         lines = "\n".join(f"  {e}" for e in exc.errors)
         fail(f"{file} is invalid:\n{lines}", 2)
-    api = Api(url, key)
     name = document.name
-    found = api.call("GET", f"/v1/policies/{name}", ok=(200, 404))
-    if found.status_code == 404:
-        api.call("POST", "/v1/policies", json={"name": name, "pool": pool, "description": document.description})
-        typer.echo(f"created policy {name}")
-        head = None
-    else:
-        head = found.json().get("head_revision_id")
-    headers = {"Content-Type": "application/yaml"}
-    if head:
-        headers["If-Match"] = f'"{head}"'
-    created = api.call("POST", f"/v1/policies/{name}/revisions", content=text.encode(), headers=headers,
-                       params={"message": message} if message else None)
-    revision = created.json()
-    if created.status_code == 200:
-        typer.echo(f"unchanged: {name} is already at revision {revision['id'][:12]}")
-        return
-    typer.echo(f"revision {revision['id'][:12]} (#{revision['seq']}) of {name} created")
-    if head:
-        diff = api.call("GET", f"/v1/policies/{name}/diff", params={"from": head, "to": revision["id"]}).json()
-        typer.echo(diff["unified"].rstrip())
+    with control_plane(url, key) as api:
+        try:
+            head = api.send(calls.policy(name)).data.head_revision_id
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            api.send(calls.create_policy(name, pool=pool, description=document.description))
+            typer.echo(f"created policy {name}")
+            head = None
+        # Without a head nothing can be overwritten; with one, a revision saved since is a conflict (412).
+        created = api.send(calls.create_revision(name, text, message=message,
+                                                 if_match=f'"{head}"' if head else None))
+        revision = created.data
+        if created.status == 200:
+            typer.echo(f"unchanged: {name} is already at revision {revision.id[:12]}")
+            return
+        typer.echo(f"revision {revision.id[:12]} (#{revision.seq}) of {name} created")
+        if head:
+            diff = api.send(calls.diff(name, from_revision=head, to_revision=revision.id)).data
+            typer.echo(diff.unified.rstrip())
 
 
 def rollback(policy: str, revision: str, reason: Annotated[str, typer.Option()],
              as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """Make REVISION the active revision of POLICY now (ends any rollout of it)."""
-    show(Api(url, key).call("POST", f"/v1/policies/{policy}/rollback",
-                              json={"revision": revision, "reason": reason}).json(), as_json)
+    with control_plane(url, key) as api:
+        show(api.send(calls.rollback(policy, revision, reason=reason)).json, as_json)

@@ -1,4 +1,4 @@
-"""What every REST command shares: the control plane's URL and key, its client, failing and printing.
+"""What every REST command shares: the control plane's URL and key, the client, failing and printing.
 
 Exit codes: 0 done, 1 the control plane refused (4xx/5xx, message printed),
 2 bad usage or input file, 3 the control plane could not be reached.
@@ -7,16 +7,20 @@ Exit codes: 0 done, 1 the control plane refused (4xx/5xx, message printed),
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, NoReturn
 
-import httpx
 import typer
 import yaml
+
+from apiclient import ApiClient, ApiError
 
 UrlOpt = Annotated[str, typer.Option("--url", envvar="SPECGATE_URL", help="control plane base URL")]
 KeyOpt = Annotated[str, typer.Option("--key", envvar="SPECGATE_KEY", help="API key (sgk_...)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the raw JSON answer")]
 DEFAULT_URL = "http://127.0.0.1:8080"
+TIMEOUT_S = 30.0
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -24,34 +28,25 @@ def fail(message: str, code: int) -> NoReturn:
     raise typer.Exit(code)
 
 
-class Api:
-    def __init__(self, url: str, key: str) -> None:
-        if not key:
-            fail("no API key: pass --key or set SPECGATE_KEY", 2)
-        self.client = httpx.Client(base_url=url.rstrip("/"), timeout=30.0,
-                                   headers={"Authorization": f"Bearer {key}"})
-
-    def call(self, method: str, path: str, *, ok: tuple[int, ...] = (200, 201), **kwargs: Any) -> httpx.Response:
+@contextmanager
+def control_plane(url: str, key: str) -> Iterator[ApiClient]:
+    """The client for one command; a refusal or an unreachable control plane ends the command (exit 1 or 3)."""
+    if not key:
+        fail("no API key: pass --key or set SPECGATE_KEY", 2)
+    with ApiClient(url, key, timeout_s=TIMEOUT_S) as api:
         try:
-            response = self.client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            fail(f"cannot reach the control plane at {self.client.base_url}: {exc}", 3)
-        if response.status_code not in ok:
-            fail(problem_text(response), 1)
-        return response
+            yield api
+        except ApiError as exc:
+            if exc.unreachable:
+                fail(exc.problem.detail, 3)
+            fail(refusal_text(exc), 1)
 
 
-def problem_text(response: httpx.Response) -> str:
-    try:
-        problem = response.json()
-    except ValueError:
-        return f"HTTP {response.status_code}: {response.text[:500]}"
-    text = f"{problem.get('title', 'HTTP ' + str(response.status_code))}: {problem.get('detail', '')}"
-    for err in problem.get("errors", []) or []:
-        line = f" (line {err['line']})" if err.get("line") else ""
-        text += f"\n  {err.get('path') or '<document>'}{line}: {err.get('message')} [{err.get('code')}]"
-    if "state" in problem:
-        text += f"\n  current state: {problem['state']}"
+def refusal_text(exc: ApiError) -> str:
+    """The problem's title, detail and field errors, and the state that made a transition illegal."""
+    text = exc.problem.text()
+    if "state" in exc.problem.extra:
+        text += f"\n  current state: {exc.problem.extra['state']}"
     return text
 
 

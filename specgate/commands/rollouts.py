@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from specgate.commands.rest import DEFAULT_URL, Api, JsonOpt, KeyOpt, UrlOpt, fail, show
+from apiclient import calls
+from specgate.commands.rest import DEFAULT_URL, JsonOpt, KeyOpt, UrlOpt, control_plane, fail, show
 
 rollout_app = typer.Typer(help="Roll a revision out step by step.", no_args_is_help=True)
 
@@ -30,19 +31,14 @@ def rollout_start(policy: str, revision: str,
         if not sep or not k:
             fail(f"--label must be k=v, got {item!r}", 2)
         labels[k] = v
-    target: dict[str, Any] = {}
-    if pool:
-        target["pool"] = pool
-    if labels:
-        target["labels"] = labels
-    body = {"policy": policy, "revision": revision, "mode": mode, "steps": percents, "target": target,
-            "reason": reason}
-    show(Api(url, key).call("POST", "/v1/rollouts", json=body).json(), as_json)
+    with control_plane(url, key) as api:
+        show(api.send(calls.start_rollout(policy=policy, revision=revision, mode=mode, steps=percents,
+                                          reason=reason, pool=pool, labels=labels)).json, as_json)
 
 
 def _transition(action: str, rollout_id: str, reason: str, url: str, key: str, as_json: bool) -> None:
-    show(Api(url, key).call("POST", f"/v1/rollouts/{rollout_id}/{action}", json={"reason": reason}).json(),
-           as_json)
+    with control_plane(url, key) as api:
+        show(api.send(calls.rollout_action(rollout_id, action, reason=reason)).json, as_json)
 
 
 @rollout_app.command("promote")
@@ -78,8 +74,8 @@ def rollout_status(rollout_id: Annotated[str | None, typer.Argument()] = None,
                    policy: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False,
                    url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """Show one rollout, or the rollouts of a policy (newest first)."""
-    api = Api(url, key)
-    if rollout_id:
-        show(api.call("GET", f"/v1/rollouts/{rollout_id}").json(), as_json)
-    else:
-        show(api.call("GET", "/v1/rollouts", params={"policy": policy} if policy else None).json(), as_json)
+    with control_plane(url, key) as api:
+        if rollout_id:
+            show(api.send(calls.rollout(rollout_id)).json, as_json)
+        else:
+            show(api.send(calls.rollouts(policy=policy or None)).json, as_json)

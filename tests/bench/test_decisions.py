@@ -123,8 +123,8 @@ def test_tiny_run_reports_every_row(tmp_path: Path, capsys: pytest.CaptureFixtur
     for key, stats in result["results"].items():
         assert key in printed
         assert stats["samples"] >= 2
+        assert stats["samples"] % 2 == 0, (key, stats["samples"])  # two rounds, as many samples in each
         assert stats["raw_us"]["median"] > 0
-        assert stats["raw_us"]["median"] <= stats["raw_us"]["p99"]
     assert result["cross_check"]["disagreements"] == 0
     assert {g["goal"] for g in result["goals"]} >= {"seed within 3x of hand-written"}
     assert "specgate-seed / hand-written" in result["ratios"]

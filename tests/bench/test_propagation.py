@@ -33,7 +33,7 @@ def test_every_worker_converges_to_each_new_etag() -> None:
     assert [r["action"] for r in rounds] == ["killswitch on", "rollback to B"]
     for r in rounds:
         assert r["converged_workers"] == 5
-        assert r["first_s"] <= r["median_worker_s"] <= r["all_s"]
+        assert r["first_s"] > 0  # no worker held the new ETag before it was published
     etags = [r["etag"] for r in rounds]
     assert len(set(etags)) == 2
     assert run["poll_errors"] == 0

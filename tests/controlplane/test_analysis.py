@@ -12,10 +12,10 @@ import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from controlplane.analysis.evaluator import evaluate_all
 from controlplane.app import create_app
 from controlplane.db import make_engine
 from controlplane.models import AuditEvent, Policy, Revision, Rollout
+from controlplane.rollout.evaluator import evaluate_all
 from controlplane.settings import ControlPlaneSettings
 from tests.support.telemetry_data import (
     T0,
@@ -264,10 +264,10 @@ NOW = dt.datetime(2026, 12, 3, 8, 0, 30, tzinfo=dt.UTC)
 def frozen(monkeypatch: pytest.MonkeyPatch) -> dt.datetime:
     """Rollouts and guardrail looks at one fixed moment, so that a step's window never crosses a minute."""
     import controlplane.analysis.endpoints
-    import controlplane.analysis.evaluator
+    import controlplane.rollout.evaluator
     import controlplane.rollout.service
 
-    for module in (controlplane.rollout.service, controlplane.analysis.evaluator, controlplane.analysis.endpoints):
+    for module in (controlplane.rollout.service, controlplane.rollout.evaluator, controlplane.analysis.endpoints):
         monkeypatch.setattr(module, "utcnow", lambda: NOW)
     return NOW
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import streamlit as st
 
 from controlplane.app import create_app
 from controlplane.auth.schemas import Scope
@@ -26,6 +27,13 @@ def _keep_the_main_module() -> Iterator[None]:
     sys.modules["__main__"] = main
 
 
+@pytest.fixture(autouse=True)
+def _no_cached_reads_from_another_test() -> Iterator[None]:
+    # The dashboard's caches live in this process for as long as it runs, as they would in a server.
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+    st.cache_resource.clear()
 
 
 @pytest.fixture

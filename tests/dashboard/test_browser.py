@@ -143,7 +143,7 @@ def _journey(page: playwright_sync.Page, browser: playwright_sync.Browser, cp: L
     source = (seed.EXAMPLES / "multi-route.yaml").read_text()
     broken = source.replace("batch_size: {max: 4}", "batch_size: {min: 5, max: 4}")
     _editor(page, broken)
-    page.get_by_text("rules[2].when.batch_size.max (line 36)").wait_for()
+    page.get_by_text(f"rules[2].when.batch_size.max (line {seed.line_of(source, 'batch_size: {max: 4}')})").wait_for()
     page.get_by_text("inverted_range").wait_for()
     _shot(page, shots, "2-policies-invalid")
     fixed = source.replace("batch_size: {max: 4}", "batch_size: {max: 5}")

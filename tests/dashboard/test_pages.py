@@ -14,7 +14,7 @@ from controlplane.auth.schemas import Scope
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
 from tests.support import dashboard_seed as seed
-from tests.support.apptest import app, button, no_exception, page, texts, use
+from tests.support.apptest import app, button, changed_elsewhere, no_exception, page, texts, use
 from tests.support.dashboard_live import LiveControlPlane, mint_keys
 from tests.support.live import serve
 
@@ -90,6 +90,9 @@ def test_overview_shows_the_fleet_the_last_hour_and_the_kill_switch(live_control
     with _api(cp, cp.operator) as api:
         api.put("/v1/killswitch", json={"enabled": True, "reason": "incident 42"}).raise_for_status()
     at.run()
+    assert "Kill switch is off" in texts(at.success)  # a read of a few seconds ago
+    changed_elsewhere()
+    at.run()
     assert "Kill switch is ON" in texts(at.error)
     assert "incident 42" in texts(at.error)
 
@@ -118,7 +121,8 @@ def test_policy_editor_validates_live_diffs_and_saves_a_draft(live_control_plane
     no_exception(at)
     error = texts(at.error)
     assert "The policy document is invalid" in error
-    assert "`rules[2].when.batch_size.max (line 36)`: max (4) is below min (5)" in error
+    line = seed.line_of(source, "batch_size: {max: 4}")
+    assert f"`rules[2].when.batch_size.max (line {line})`: max (4) is below min (5)" in error
     assert "[inverted_range]" in error
     assert not [b for b in at.button if b.label == "Save as draft revision"]  # nothing to save
 
@@ -157,14 +161,14 @@ def test_dry_run_shows_the_draft_and_the_active_decision(live_control_plane: Liv
     source = (seed.EXAMPLES / "multi-route.yaml").read_text()
     at.text_area(key="sg_editor_fleet").set_value(source.replace("batch_size: {min: 5, max: 8}",
                                                                  "batch_size: {min: 5, max: 5}"))
-    at.number_input(key="dry_batch_fleet").set_value(6).run()
+    at.number_input(key="sg_dry_batch_fleet").set_value(6).run()
     no_exception(at)
     decisions = next(d.value for d in at.dataframe if "rule" in d.value.columns)
     rows = {r["revision"].split(" ")[0]: (r["engine"], r["rule"], r["k"]) for _, r in decisions.iterrows()}
     assert rows["draft"] == ("base", "default", 0)
     assert rows["active"] == ("draft", "chat-draft-medium-batch", 2)
 
-    at.checkbox(key="dry_structured_fleet").check().run()
+    at.checkbox(key="sg_dry_structured_fleet").check().run()
     decisions = next(d.value for d in at.dataframe if "rule" in d.value.columns)
     assert set(decisions["rule"]) == {"no-structured"}
 
@@ -190,7 +194,7 @@ def test_rollout_needs_a_reason_and_a_confirmation_then_pause_and_abort(live_con
     use(monkeypatch, cp.url, cp.operator)
     at = page("rollouts").run()
     no_exception(at)
-    assert at.selectbox(key="start_revision").value == seeded.draft
+    assert at.selectbox(key="sg_start_revision").value == seeded.draft
 
     def rollouts() -> list[dict[str, object]]:
         with _api(cp) as api:
@@ -199,11 +203,11 @@ def test_rollout_needs_a_reason_and_a_confirmation_then_pause_and_abort(live_con
 
     button(at, "Start rollout").click().run()
     assert "A reason is required" in texts(at.warning)
-    at.text_input(key="start_reason_0").set_value("canary the chat threshold")
+    at.text_input(key="sg_start_reason_0").set_value("canary the chat threshold")
     button(at, "Start rollout").click().run()
     assert "Tick the confirmation box" in texts(at.warning)
     assert rollouts() == []
-    at.checkbox(key="start_confirm_0").check()
+    at.checkbox(key="sg_start_confirm_0").check()
     button(at, "Start rollout").click().run()
     no_exception(at)
     assert "started at 10%" in texts(at.success)
@@ -216,10 +220,11 @@ def test_rollout_needs_a_reason_and_a_confirmation_then_pause_and_abort(live_con
     with _api(cp, cp.operator) as api:
         evaluated = api.post(f"/v1/rollouts/{started['id']}/guardrails/evaluate")
         assert evaluated.status_code == 200, evaluated.text
+    changed_elsewhere()
     at.run()
     assert f"Guardrails at step 1: **{evaluated.json()['verdict']}**" in texts(at.markdown)
 
-    key = f"act_{started['id']}"
+    key = f"sg_act_{started['id']}"
     at.selectbox(key=f"{key}_action").set_value("pause")
     at.text_input(key=f"{key}_reason_1").set_value("looking at p95")
     at.checkbox(key=f"{key}_confirm_1").check()
@@ -240,9 +245,9 @@ def test_rollout_refused_by_the_api_shows_the_field(live_control_plane: LiveCont
     seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
     use(monkeypatch, cp.url, cp.operator)
     at = page("rollouts").run()
-    at.text_input(key="start_steps").set_value("10,50")
-    at.text_input(key="start_reason_0").set_value("try")
-    at.checkbox(key="start_confirm_0").check()
+    at.text_input(key="sg_start_steps").set_value("10,50")
+    at.text_input(key="sg_start_reason_0").set_value("try")
+    at.checkbox(key="sg_start_confirm_0").check()
     button(at, "Start rollout").click().run()
     no_exception(at)
     assert "`steps[1]`" in texts(at.error)
@@ -255,14 +260,14 @@ def test_rollback_and_kill_switch_reach_the_audit_log(live_control_plane: LiveCo
     seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
     use(monkeypatch, cp.url, cp.operator, page_size="3")
     at = page("rollouts").run()
-    at.selectbox(key="rollback_revision").set_value(seeded.draft)
-    at.text_input(key="rollback_reason_0").set_value("back to the known-good thresholds")
-    at.checkbox(key="rollback_confirm_0").check()
+    at.selectbox(key="sg_rollback_revision").set_value(seeded.draft)
+    at.text_input(key="sg_rollback_reason_0").set_value("back to the known-good thresholds")
+    at.checkbox(key="sg_rollback_confirm_0").check()
     button(at, "Roll back").click().run()
     no_exception(at)
     assert f"fleet rolled back to `{seeded.draft[:12]}`" in texts(at.success)
-    at.text_input(key="killswitch_reason_1").set_value("incident 42: drafter OOM")
-    at.checkbox(key="killswitch_confirm_1").check()
+    at.text_input(key="sg_killswitch_reason_1").set_value("incident 42: drafter OOM")
+    at.checkbox(key="sg_killswitch_confirm_1").check()
     button(at, "Turn the kill switch ON").click().run()
     assert "Kill switch is now ON" in texts(at.success)
     with _api(cp) as api:
@@ -281,7 +286,7 @@ def test_rollback_and_kill_switch_reach_the_audit_log(live_control_plane: LiveCo
     assert "Page 2, newest first" in texts(audit.caption)
     assert max(older["#"]) < min(newest["#"])
     assert len(older) == 3
-    audit.text_input(key="audit_q").set_value("known-good").run()
+    audit.text_input(key="sg_audit_q").set_value("known-good").run()
     found = audit.dataframe[0].value
     assert list(found["action"]) == ["policy.rollback"]
     assert "Page 1, newest first" in texts(audit.caption)
@@ -313,14 +318,14 @@ def test_telemetry_draws_the_charts_from_rollups_and_filters_by_route(live_contr
     assert len(at.get("vega_lite_chart")) == 5
     assert f"{seeded.events:,} requests in the window" in texts(at.caption)
 
-    at.selectbox(key="tm_route").set_value("chat").run()
+    at.selectbox(key="sg_tm_route").set_value("chat").run()
     no_exception(at)
     with _api(cp) as api:
         chat = api.get("/v1/telemetry/rollups", params={"route": "chat"}).json()["groups"][0]["counters"]
     assert 0 < chat["requests"] < seeded.events
     assert f"{chat['requests']:,} requests in the window" in texts(at.caption)
 
-    at.selectbox(key="tm_pool").set_value("(any)").run()  # the seed policy's pool: no traffic there
+    at.selectbox(key="sg_tm_pool").set_value("(any)").run()  # the seed policy's pool: no traffic there
     assert "No telemetry in this window" in texts(at.info)
 
 
@@ -334,7 +339,7 @@ def test_recommendation_becomes_a_draft_revision(live_control_plane: LiveControl
     at = page("recommendations").run()
     no_exception(at)
     assert "For the active revision" in texts(at.caption)
-    at.number_input(key="rec_min_samples").set_value(30).run()
+    at.number_input(key="sg_rec_min_samples").set_value(30).run()
     applicable = [b for b in at.button if b.label == "Create draft revision"]
     assert applicable, texts(at.markdown)
     with _api(cp) as api:
@@ -406,6 +411,7 @@ def test_saving_against_a_stale_head_shows_the_current_head(live_control_plane: 
     at = _policies_page(cp, monkeypatch, cp.admin)
     source = (seed.EXAMPLES / "multi-route.yaml").read_text()
     rival = seed.add_revision(cp.url, cp.admin, "fleet", source.replace("max: 4}", "max: 2}"), "someone else")
+    changed_elsewhere()
     at.text_area(key="sg_editor_fleet").set_value(source.replace("max: 4}", "max: 3}")).run()
     at.text_input(key="sg_message_fleet").set_value("mine")
     button(at, "Save as draft revision").click().run()

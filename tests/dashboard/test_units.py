@@ -1,54 +1,19 @@
-"""The dashboard's pure parts: problem+json parsing, engine kinds, thresholds, chart tables."""
+"""The dashboard's pure parts: engine kinds, thresholds, chart tables."""
 
 from __future__ import annotations
 
 import datetime as dt
 
-import httpx
 import pytest
 
+from apiclient.models import Rollout, RollupReport
 from dashboard import charts
-from dashboard.client import ApiClient, ApiError, RollupReport, problem_of
 from policies import canonical_document, load_policy
 from tests.support import dashboard_seed as seed
 
 
 def _document(filename: str) -> dict[str, object]:
     return canonical_document(load_policy((seed.EXAMPLES / filename).read_text()))
-
-
-def test_problem_json_keeps_detail_errors_and_extra_members() -> None:
-    response = httpx.Response(412, json={"type": "https://specgate.dev/problems/precondition-failed",
-                                         "title": "Precondition failed", "status": 412, "detail": "stale head",
-                                         "current_head": "abc", "errors": [{"path": "If-Match", "code": "stale",
-                                                                            "message": "the head is abc"}]})
-    problem = problem_of(response)
-    assert (problem.status, problem.title, problem.detail) == (412, "Precondition failed", "stale head")
-    assert problem.errors[0].path == "If-Match"
-    assert problem.extra == {"current_head": "abc"}
-    text = problem_of(httpx.Response(502, text="<html>bad gateway</html>"))
-    assert text.title == "HTTP 502"
-    assert "bad gateway" in text.detail
-
-
-def test_client_turns_refusals_and_unreachable_hosts_into_api_errors() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert request.headers["authorization"] == "Bearer sgk_x"
-        return httpx.Response(403, json={"title": "Not allowed for this key's scope", "status": 403,
-                                         "detail": "a viewer key cannot do this"})
-
-    api = ApiClient("http://cp", "sgk_x", transport=httpx.MockTransport(handler))
-    with pytest.raises(ApiError) as refused:
-        api.set_kill_switch(True, "x")
-    assert refused.value.status == 403
-    assert refused.value.problem.detail == "a viewer key cannot do this"
-
-    def down(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused")
-
-    with pytest.raises(ApiError) as unreachable:
-        ApiClient("http://cp", "sgk_x", transport=httpx.MockTransport(down)).policies()
-    assert unreachable.value.unreachable
 
 
 def test_engine_kinds_and_the_threshold_come_from_the_document() -> None:
@@ -63,14 +28,19 @@ def test_engine_kinds_and_the_threshold_come_from_the_document() -> None:
 
 
 def _group(route: str, engine: str, bucket: int, requests: int, itl_sum: float, speculated: int) -> dict[str, object]:
+    unknown = {"p50": None, "p95": None, "p99": None}
     return {"key": {"policy": "fleet", "route": route, "engine": engine, "batch_bucket": bucket,
                     "batch_range": str(bucket)},
             "counters": {"requests": requests, "speculated": speculated, "itl_ms_sum": itl_sum,
-                         "itl_count": requests}}
+                         "itl_count": requests},
+            "acceptance_rate": None, "error_rate": 0.0, "e2e_ms_mean": None, "ttft_ms_mean": None,
+            "itl_ms_mean": itl_sum / requests, "itl_ms_token_weighted": None,
+            "ttft_ms": unknown, "itl_ms": unknown, "e2e_ms": unknown}
 
 
 def test_itl_by_batch_merges_engines_of_one_kind_by_their_sums() -> None:
-    report = RollupReport.model_validate({"group_by": ["route", "batch_bucket", "policy", "engine"], "groups": [
+    report = RollupReport.model_validate({"group_by": ["route", "batch_bucket", "policy", "engine"],
+                                          "truncated": False, "groups": [
         _group("chat", "draft", 2, 10, 100.0, 10),  # 10 ms
         _group("chat", "eagle", 2, 30, 600.0, 30),  # 20 ms: merged with draft, weighted -> 17.5 ms
         _group("chat", "base", 2, 20, 300.0, 0),
@@ -87,14 +57,16 @@ def test_itl_by_batch_merges_engines_of_one_kind_by_their_sums() -> None:
 
 
 def test_markers_keep_what_falls_in_the_window() -> None:
-    from dashboard.client import Rollout
-
     now = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
     rollout = Rollout.model_validate({
         "id": "r1", "policy": "fleet", "from_revision": "a" * 64, "to_revision": "b" * 64, "mode": "traffic",
-        "state": "rolled_back", "created_at": now - dt.timedelta(minutes=30), "updated_at": now,
-        "steps": [{"position": 0, "percent": 10, "started_at": now - dt.timedelta(minutes=30)},
-                  {"position": 1, "percent": 100, "started_at": now - dt.timedelta(hours=3)}]})
+        "target": {}, "state": "rolled_back", "current_step": 0, "current_percent": 10.0, "allowed_actions": [],
+        "reason": "canary", "created_by": "operator:olga", "created_at": now - dt.timedelta(minutes=30),
+        "updated_at": now,
+        "steps": [{"position": 0, "percent": 10, "started_at": now - dt.timedelta(minutes=30), "finished_at": now,
+                   "outcome": "rolled_back"},
+                  {"position": 1, "percent": 100, "started_at": now - dt.timedelta(hours=3), "finished_at": None,
+                   "outcome": None}]})
     marks = charts.markers([rollout], [(now - dt.timedelta(minutes=5), "fleet: rolled back")],
                            now - dt.timedelta(hours=1), now)
     assert sorted(marks["kind"]) == ["rollback", "rollback", "rollout"]

@@ -65,7 +65,7 @@ def only(errors: tuple[FieldError, ...], code: str) -> FieldError:
 
 def test_valid_document_loads() -> None:
     doc = load_policy(VALID)
-    assert isinstance(doc, PolicyDocument)
+    assert (doc.name, sorted(doc.engines), [r.name for r in doc.rules]) == ("lines", ["base", "draft"], ["chat"])
     assert doc.rules[0].then.engine == "draft"
 
 

@@ -23,7 +23,6 @@ from policies import PolicyStore
 from sidecar.main import Sidecar, resolve_worker_id
 from sidecar.otel import OTelHook, OTelRuntime
 from sidecar.settings import SidecarSettings
-from sidecar.sync import PolicySync
 from sidecar.telemetry import TelemetryExporter
 from specgate.cli import app as specgate
 from tests.support import paths
@@ -118,8 +117,8 @@ def test_the_sidecar_object_wires_store_sync_exporter_and_hook(tmp_path: Path) -
     assert built["store"] is car.store is car.sync.store
     assert built["exporter"] is car.exporter
     assert built["on_event"] == hook.on_event
-    assert isinstance(car.sync, PolicySync)
     assert car._in_flight() == 4
+    assert car.sync._in_flight == car._in_flight  # its heartbeats report the app's requests in flight
     # Without an OTLP endpoint there is no hook at all.
     plain = Sidecar(settings, app_factory=stand_in)
     assert plain.otel is None

@@ -1,8 +1,11 @@
-"""TelemetryExporter against a test double of the (not yet built) ingestion endpoint.
+"""TelemetryExporter against a test double of the control plane's ingestion endpoint, and once against the real one.
 
 The double records batches, deduplicates them by ``batch_id`` as the control
-plane is specified to, and can be told to fail, to lose its answers, or to go
-down entirely and come back on the same port.
+plane's ``POST /v1/telemetry/batches`` does, and can be told to fail, to lose
+its answers, or to go down entirely and come back on the same port: failures
+the real endpoint cannot be made to produce on demand. One test sends
+through the real endpoint (``controlplane.telemetry.endpoints``) across an
+outage.
 """
 
 from __future__ import annotations

@@ -273,6 +273,20 @@ def test_killswitch_on_off_status(run: Run) -> None:
     assert run("killswitch", "on").exit_code == 2  # --reason is required
 
 
+def test_json_prints_what_the_server_answered(run: Run, live: str, token: str, revisions: list[str]) -> None:
+    rid = as_json(run("rollout", "start", "seed", revisions[1], "--reason", "try", "--json"))["id"]
+    with api(live, token) as client:
+        for args, path in ((["rollout", "status", rid], f"/v1/rollouts/{rid}"),
+                           (["rollout", "status", "--policy", "seed"], "/v1/rollouts?policy=seed"),
+                           (["killswitch", "status"], "/v1/killswitch"),
+                           (["analysis", "guardrails", rid], f"/v1/rollouts/{rid}/guardrails")):
+            answered = client.get(path)
+            assert answered.status_code == 200, answered.text
+            # every member, those the client's models leave out included (policy_id, target, ...)
+            assert as_json(run(*args, "--json")) == answered.json(), args
+    assert "policy_id" in as_json(run("rollout", "status", rid, "--json"))
+
+
 def test_workers_lists_a_registered_worker(run: Run, live: str, settings: ControlPlaneSettings,
                                            make_key: Callable[[Scope, str], str]) -> None:
     seed_policy(settings.database_url)

@@ -34,21 +34,22 @@ TESTBED_POLICY = REPO_ROOT / "policies" / "examples" / "testbed.yaml"
 
 # --- choosing engines ----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("available", "expected"), [
-    (None, ["base", "draft", "ngram"]),
-    (24.0, ["base", "draft", "ngram"]),
-    (8.5, ["base", "draft"]),
-    (5.5, ["base"]),
-    (1.0, ["base"]),
+@pytest.mark.parametrize(("available", "expected", "reason"), [
+    (None, ["base", "draft", "ngram"], "all variants (available memory unknown)"),
+    (24.0, ["base", "draft", "ngram"], "24.0 GiB available, about 3 GiB per engine"),
+    (8.5, ["base", "draft"], "8.5 GiB available, about 3 GiB per engine"),
+    (5.5, ["base"], "5.5 GiB available, about 3 GiB per engine"),
+    (1.0, ["base"], "1.0 GiB available, about 3 GiB per engine; tight, starting base anyway"),
 ])
-def test_auto_starts_as_many_engines_as_memory_holds(available: float | None, expected: list[str]) -> None:
+def test_auto_starts_as_many_engines_as_memory_holds(available: float | None, expected: list[str],
+                                                     reason: str) -> None:
     chosen, why = devstack.choose_engines("auto", available)
     assert chosen == expected
-    assert why
+    assert why == reason
 
 
 def test_named_engines_are_checked_and_ordered() -> None:
-    assert devstack.choose_engines("draft, base", 1.0)[0] == ["base", "draft"]
+    assert devstack.choose_engines("draft, base", 1.0) == (["base", "draft"], "as asked")
     with pytest.raises(ValueError, match="unknown variant"):
         devstack.choose_engines("base,eagle", None)
     with pytest.raises(ValueError, match="must include base"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from tests.support import paths
@@ -29,6 +30,12 @@ def use(monkeypatch: pytest.MonkeyPatch, url: str, key: str | None, **settings: 
         monkeypatch.setenv("SPECGATE_DASHBOARD_API_KEY", key)
     for name, value in settings.items():
         monkeypatch.setenv(f"SPECGATE_DASHBOARD_{name.upper()}", value)
+
+
+def changed_elsewhere() -> None:
+    """A change made outside the dashboard: drop its cached reads, as their time to live would (the dashboard
+    drops them itself after its own changes)."""
+    st.cache_data.clear()
 
 
 def texts(elements: object) -> str:

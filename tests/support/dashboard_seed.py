@@ -28,6 +28,11 @@ ROUTES: dict[str, dict[str, Any]] = {
 EXPLORATION = 0.2  # share of requests that get the other decision (the holdout the analysis compares)
 
 
+def line_of(text: str, fragment: str) -> int:
+    """The 1-based number of the first line of ``text`` that holds ``fragment``."""
+    return next(n for n, line in enumerate(text.splitlines(), 1) if fragment in line)
+
+
 def plain_itl(batch: int) -> float:
     return 11.0 + 0.85 * batch
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from controlplane.analysis import service
-from controlplane.analysis.schemas import GuardrailEvaluationRead
 from controlplane.db import unit_of_work
 from controlplane.errors import Conflict, NotFound
 from controlplane.models import utcnow
+from controlplane.rollout import guardrails
+from controlplane.rollout.schemas import GuardrailEvaluationRead
 from controlplane.rollout.service import GUARDRAIL_ACTOR
 
 log = logging.getLogger("specgate.controlplane.guardrails")
@@ -28,9 +28,9 @@ def evaluate_now(app: Any, rollout_id: str, actor: str) -> GuardrailEvaluationRe
     """Evaluate one rollout's current step, commit, and wake the workers if the rollout changed."""
     settings = app.state.settings
     with unit_of_work(app.state.sessions) as session:
-        outcome = service.evaluate_guardrails(session, rollout_id, actor=actor, now=utcnow(),
-                                              alpha=settings.guardrail_alpha,
-                                              auto_promote=settings.guardrail_auto_promote)
+        outcome = guardrails.evaluate_guardrails(session, rollout_id, actor=actor, now=utcnow(),
+                                                 alpha=settings.guardrail_alpha,
+                                                 auto_promote=settings.guardrail_auto_promote)
         read = GuardrailEvaluationRead.model_validate(outcome.evaluation)
     if outcome.generation is not None:
         app.state.hub.publish(outcome.generation)
@@ -42,7 +42,7 @@ def evaluate_now(app: Any, rollout_id: str, actor: str) -> GuardrailEvaluationRe
 def evaluate_all(app: Any) -> list[GuardrailEvaluationRead]:
     """One look at every running rollout."""
     with unit_of_work(app.state.sessions) as session:
-        ids = service.running_rollouts(session)
+        ids = guardrails.running_rollouts(session)
     out = []
     for rollout_id in ids:
         try:

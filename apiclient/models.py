@@ -1,0 +1,423 @@
+"""What the control plane's REST API answers, as typed models (checked against its OpenAPI document by tests).
+
+Each model holds the fields its users read, with the API's own names, types and
+required-ness (``tests/apiclient/test_drift.py`` compares them with
+``create_app(...).openapi()``). Models ignore fields they do not know, so a
+newer control plane does not break an older client.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Answer(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+# --- keys ----------------------------------------------------------------------------------
+
+class WhoAmI(Answer):
+    key_id: str
+    name: str
+    scope: str
+    actor: str
+
+
+# --- policies and revisions ----------------------------------------------------------------
+
+class Policy(Answer):
+    id: str
+    name: str
+    description: str | None
+    pool: str | None
+    active_revision_id: str | None
+    head_revision_id: str | None
+    revision_count: int
+    created_at: dt.datetime
+    created_by: str
+
+
+class RevisionSummary(Answer):
+    id: str
+    seq: int
+    parent_id: str | None
+    author: str
+    message: str
+    created_at: dt.datetime
+    active: bool
+
+
+class Revision(RevisionSummary):
+    policy: str
+    document: dict[str, Any]
+    canonical_yaml: str
+    source_text: str | None
+
+
+class RevisionPage(Answer):
+    items: list[RevisionSummary]
+    next_cursor: int | None
+
+
+class ChangeSummary(Answer):
+    rules_added: list[str]
+    rules_removed: list[str]
+    rules_changed: list[str]
+    rules_moved: list[str]
+    engines_added: list[str]
+    engines_removed: list[str]
+    engines_changed: list[str]
+    fields_changed: list[str]
+
+    def lines(self) -> list[str]:
+        out = []
+        for field, label in (("rules_added", "rules added"), ("rules_removed", "rules removed"),
+                             ("rules_changed", "rules changed"), ("rules_moved", "rules moved"),
+                             ("engines_added", "engines added"), ("engines_removed", "engines removed"),
+                             ("engines_changed", "engines changed"), ("fields_changed", "other fields changed")):
+            names = getattr(self, field)
+            if names:
+                out.append(f"{label}: {', '.join(names)}")
+        return out
+
+
+class RevisionRef(Answer):
+    id: str
+    seq: int
+
+
+class DraftDiff(Answer):
+    against: RevisionRef
+    identical: bool
+    unified: str
+    summary: ChangeSummary
+
+
+class Diff(Answer):
+    policy: str
+    from_: RevisionRef = Field(alias="from")
+    to: RevisionRef
+    identical: bool
+    unified: str
+    summary: ChangeSummary
+
+
+class Decision(Answer):
+    engine: str
+    speculate: bool
+    num_speculative_tokens: int
+    rule: str
+    policy: str
+    revision: str
+    explored: bool
+
+
+class Evaluation(Answer):
+    shape: dict[str, Any]
+    decision: Decision
+
+
+class DraftCheck(Answer):
+    valid: bool
+    revision_id: str
+    name: str
+    canonical_yaml: str
+    existing: bool
+    diff: DraftDiff | None
+    evaluations: list[Evaluation]
+
+
+# --- rollouts, rollback, kill switch --------------------------------------------------------
+
+class RolloutStep(Answer):
+    position: int
+    percent: float
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    outcome: str | None
+
+
+class RolloutTarget(Answer):
+    pool: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Rollout(Answer):
+    id: str
+    policy: str
+    from_revision: str
+    to_revision: str
+    mode: str
+    target: RolloutTarget
+    steps: list[RolloutStep]
+    state: str
+    current_step: int
+    current_percent: float
+    allowed_actions: list[str]
+    reason: str
+    created_by: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+class RolloutPage(Answer):
+    items: list[Rollout]
+    next_cursor: str | None
+
+
+class RollbackResult(Answer):
+    policy: str
+    previous_revision: str | None
+    active_revision: str
+    ended_rollout: Rollout | None
+
+
+class KillSwitch(Answer):
+    enabled: bool
+    reason: str
+    changed_at: dt.datetime | None
+    changed_by: str | None
+
+
+class KillSwitchChange(KillSwitch):
+    changed: bool
+
+
+# --- the fleet -----------------------------------------------------------------------------
+
+class Worker(Answer):
+    id: str
+    pool: str
+    labels: dict[str, str]
+    engines: dict[str, str]
+    sidecar_version: str | None
+    last_heartbeat_at: dt.datetime
+    active_revision: str | None
+    active_etag: str | None
+    expected_etag: str | None
+    stale: bool
+    converged: bool
+
+
+class WorkerPage(Answer):
+    items: list[Worker]
+    next_cursor: str | None
+
+
+class RevisionCount(Answer):
+    revision: str | None
+    workers: int
+
+
+class FleetGroup(Answer):
+    workers: int
+    stale: int
+    converged_workers: int
+    converged: bool
+    revisions: list[RevisionCount]
+
+
+class PoolFleet(FleetGroup):
+    pool: str
+
+
+class Fleet(Answer):
+    generation: int
+    kill_switch: bool
+    stale_after_s: float
+    overall: FleetGroup
+    pools: list[PoolFleet]
+
+
+# --- audit ---------------------------------------------------------------------------------
+
+class AuditEvent(Answer):
+    id: int
+    at: dt.datetime
+    actor: str
+    action: str
+    target_type: str
+    target_id: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    reason: str
+
+
+class AuditPage(Answer):
+    items: list[AuditEvent]
+    next_cursor: int | None
+
+
+# --- telemetry and analysis ----------------------------------------------------------------
+
+class Quantiles(Answer):
+    """The median and the 95th percentile (the API has more quantiles in some places; nobody here reads them)."""
+
+    p50: float | None
+    p95: float | None
+
+
+class RollupKey(Answer):
+    minute: dt.datetime | None = None
+    policy: str | None = None
+    revision: str | None = None
+    route: str | None = None
+    engine: str | None = None
+    batch_bucket: int | None = None
+    batch_range: str | None = None
+    explored: bool | None = None
+
+
+class RollupGroup(Answer):
+    key: RollupKey
+    counters: dict[str, float]
+    acceptance_rate: float | None
+    error_rate: float | None
+    e2e_ms_mean: float | None
+    ttft_ms_mean: float | None
+    itl_ms_mean: float | None
+    itl_ms_token_weighted: float | None
+    ttft_ms: Quantiles
+    itl_ms: Quantiles
+    e2e_ms: Quantiles
+
+    def count(self, name: str) -> float:
+        return self.counters.get(name, 0)
+
+
+class RollupReport(Answer):
+    group_by: list[str]
+    groups: list[RollupGroup]
+    truncated: bool
+
+
+class SummaryRow(Answer):
+    key: dict[str, Any]
+    requests: int
+    acceptance_rate: float | None
+    itl_ms: Quantiles
+    e2e_ms: Quantiles
+    retry_rate: float | None
+    error_rate: float | None
+
+
+class WorkerSummary(Answer):
+    key: dict[str, Any]
+    requests: int
+    acceptance_rate: float | None
+    itl_ms_mean: float | None
+    error_rate: float | None
+
+
+class SummaryReport(Answer):
+    group_by: list[str]
+    rows: list[SummaryRow]
+    workers: list[WorkerSummary] | None = None
+    truncated: bool
+
+
+class SpeedupInterval(Answer):
+    ratio: float
+    low: float
+    high: float
+
+
+class Theory(Answer):
+    speedup: float
+
+
+class SpeedupRow(Answer):
+    route: str
+    batch_range: str
+    source: str
+    n_speculative: int
+    n_plain: int
+    itl_speedup: SpeedupInterval | None
+    verdict: str
+    theory: Theory | None
+
+
+class SpeedupReport(Answer):
+    policy: str
+    rows: list[SpeedupRow]
+
+
+class BeforeAfter(Answer):
+    policy: str
+    from_revision: str | None
+    to_revision: str | None
+    routes: list[dict[str, Any]]
+    all_routes: dict[str, Any]
+
+
+class Cells(Answer):
+    """The per-bucket statistics the recommender reads (``analysis.cells.Cell.to_dict()`` each)."""
+
+    policy: str
+    cells: list[dict[str, Any]]
+
+
+class Recommendation(Answer):
+    """One suggested rule edit of the analysis, with its evidence."""
+
+    id: str
+    kind: str
+    route: str
+    title: str
+    edit: dict[str, Any] | None
+    confidence: str
+    expected_effect: dict[str, Any]
+    evidence: dict[str, Any]
+    message: str
+    applicable: bool
+    problems: list[dict[str, Any]]
+
+
+class RecommendationList(Answer):
+    policy: str
+    revision: str
+    recommendations: list[Recommendation]
+
+
+class AppliedRecommendation(Answer):
+    recommendation: Recommendation
+    revision: str
+    seq: int
+    message: str
+
+
+class GuardrailCheck(Answer):
+    guardrail: str
+    status: str
+    limit: float | None
+    observed: float | None
+    detail: str
+
+
+class GuardrailEvaluation(Answer):
+    step: int
+    evaluated_at: dt.datetime
+    verdict: str
+    action: str
+    baseline_requests: int
+    canary_requests: int
+    checks: list[GuardrailCheck]
+
+
+class GuardrailHistory(Answer):
+    rollout_id: str
+    evaluations: list[GuardrailEvaluation]
+
+
+class WhatIf(Answer):
+    policy: str
+    candidate: str
+    baseline: str
+    routes: list[dict[str, Any]]
+    all_routes: dict[str, Any]
+    truncated: bool
+    method: str
