@@ -342,6 +342,20 @@ def _exclude_route(facts: _RouteFacts, min_acc: float | None, cfg: RecommendConf
 
 # --- batch-size threshold -----------------------------------------------------------------------------
 
+def _threshold_proposal(kind: str, facts: _RouteFacts, current: int, new_max: int, affected: set[int],
+                        ests: Sequence[RatioEstimate | None], cfg: RecommendConfig, message: str) -> _Proposal:
+    """A new batch threshold for the route; the expected effect is measured on the buckets it moves."""
+    sp = _mean_speedup(facts.cells, affected, cfg)
+    verb = "lower" if kind == "lower_threshold" else "raise"
+    return _Proposal(
+        kind, f"{verb} route {facts.route!r}'s batch threshold to {new_max}",
+        {"kind": "set_batch_max", "route": facts.route, "batch_max": new_max}, _confidence(ests, cfg),
+        {"batch_max": {"from": current, "to": new_max},
+         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
+         "share_of_route_traffic": round(_share(facts.cells, affected), 4)},
+        facts.evidence, message)
+
+
 def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
     route, current, spec_now, verdicts = facts.route, facts.current, facts.spec_now, facts.verdicts
     if current is None or not facts.loses:
@@ -361,15 +375,9 @@ def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | No
     dropped = {b for b in BATCH_BUCKETS if bucket_upper(b) > new_max and spec_now.get(b)}
     unclear = sorted(b for b in dropped if b < first_loss and b in verdicts)
     ests = [verdicts[b][1] for b in facts.loses if b in dropped]
-    sp = _mean_speedup(facts.cells, dropped, cfg)
     loss = verdicts[first_loss][1]
-    return _Proposal(
-        "lower_threshold", f"lower route {route!r}'s batch threshold to {new_max}",
-        {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
-        {"batch_max": {"from": current, "to": new_max},
-         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
-         "share_of_route_traffic": round(_share(facts.cells, dropped), 4)},
-        facts.evidence,
+    return _threshold_proposal(
+        "lower_threshold", facts, current, new_max, dropped, ests, cfg,
         f"Lower route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
         f"slower with confidence from batch size {batch_bucket_label(first_loss)} "
         f"(plain/speculative ITL {loss.ratio:.2f}, "  # type: ignore[union-attr]
@@ -402,14 +410,8 @@ def _raise_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | No
         return None
     new_max = bucket_upper(target)
     ests = [verdicts[b][1] for b in added]
-    sp = _mean_speedup(facts.cells, added, cfg)
-    return _Proposal(
-        "raise_threshold", f"raise route {route!r}'s batch threshold to {new_max}",
-        {"kind": "set_batch_max", "route": route, "batch_max": new_max}, _confidence(ests, cfg),
-        {"batch_max": {"from": current, "to": new_max},
-         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
-         "share_of_route_traffic": round(_share(facts.cells, added), 4)},
-        facts.evidence,
+    return _threshold_proposal(
+        "raise_threshold", facts, current, new_max, added, ests, cfg,
         f"Raise route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
         f"faster with confidence up to batch size {batch_bucket_label(target)} "
         f"(plain/speculative ITL {', '.join(f'{verdicts[b][1].ratio:.2f}' for b in sorted(added))}).")  # type: ignore[union-attr]

@@ -61,6 +61,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import yaml
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -181,18 +182,15 @@ def fresh_database(kind: str, postgres_url: str) -> Iterator[str]:
         admin.dispose()
 
 
-POLICY_TEXT = """\
-apiVersion: specgate/v1
-name: {name}
-engines:
-  base: {{method: none}}
-  draft: {{method: draft_model, model: models/draft, num_speculative_tokens: 3}}
-rules:
-  - name: chat-low-batch
-    when: {{route: [chat], batch_size: {{max: {threshold}}}, structured_output: false}}
-    then: {{engine: draft}}
-default: {{engine: base}}
-"""
+SEED_EXAMPLE = Path(__file__).resolve().parents[1] / "policies" / "examples" / "seed.yaml"
+
+
+def policy_text(threshold: int) -> str:
+    """The seed example under this benchmark's name, speculating up to batch size ``threshold``."""
+    document = yaml.safe_load(SEED_EXAMPLE.read_text())
+    document["name"] = POLICY
+    document["rules"][0]["when"]["batch_size"]["max"] = threshold
+    return yaml.safe_dump(document, sort_keys=False)
 
 
 def seed_policy(url: str, texts: Sequence[str]) -> list[str]:
@@ -221,7 +219,7 @@ class Fixture:
 
 def seed(url: str, extra_revisions: int = 1) -> Fixture:
     """Revision A (active) and ``extra_revisions`` drafts (B, then C, D, ... for --fresh), keys, ETags."""
-    texts = [POLICY_TEXT.format(name=POLICY, threshold=4 + i) for i in range(1 + extra_revisions)]
+    texts = [policy_text(threshold=4 + i) for i in range(1 + extra_revisions)]
     revisions = seed_policy(url, texts)
     keys = mint_keys(url, {"bench-workers": Scope.worker, "bench-operator": Scope.operator}, created_by="bench")
     worker_token, operator_token = keys["bench-workers"], keys["bench-operator"]

@@ -162,11 +162,7 @@ def validate(name: str, body: ValidateRequest, session: SessionDep, _: Reader,
         diff_read = DraftDiffRead(
             against=RevisionRef(id=check.active.id, seq=check.active.seq),
             identical=check.active.id == check.loaded.id, unified=check.unified,
-            summary=ChangeSummaryRead(
-                rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
-                rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
-                engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
-                engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)))
+            summary=ChangeSummaryRead.model_validate(s, from_attributes=True))
     return ValidationRead(
         valid=True, revision_id=check.loaded.id, name=check.loaded.document.name,
         canonical_yaml=check.loaded.canonical_yaml, existing=check.existing, diff=diff_read,
@@ -324,17 +320,12 @@ def diff(name: str, session: SessionDep, _: Reader,
          to: str | None = Query(None, description="revision id; default: the head")) -> DiffRead:
     """A unified diff of the canonical YAML, and which rules and engines changed."""
     d = service.diff_revisions(session, name, from_id=from_, to_id=to)
-    s = d.summary
     return DiffRead(
         policy=d.policy.name,
         from_revision=RevisionRef(id=d.before.id, seq=d.before.seq),
         to_revision=RevisionRef(id=d.after.id, seq=d.after.seq),
         identical=d.before.id == d.after.id, unified=d.unified,
-        summary=ChangeSummaryRead(
-            rules_added=list(s.rules_added), rules_removed=list(s.rules_removed),
-            rules_changed=list(s.rules_changed), rules_moved=list(s.rules_moved),
-            engines_added=list(s.engines_added), engines_removed=list(s.engines_removed),
-            engines_changed=list(s.engines_changed), fields_changed=list(s.fields_changed)),
+        summary=ChangeSummaryRead.model_validate(d.summary, from_attributes=True),
     )
 
 
