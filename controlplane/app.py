@@ -31,6 +31,7 @@ from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.endpoints import router as telemetry_router
 from controlplane.worker.endpoints import router as worker_router
 from policies import SigningKey
+from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
 
 log = logging.getLogger("specgate.controlplane")
 
@@ -67,12 +68,10 @@ class BodySizeLimit:
             await self._refuse(scope, send)
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
-        import json
-
-        problem = PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes").to_problem(scope.get("path"))
-        body = json.dumps(problem).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/problem+json"),
+        error = PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
+        body = problem_bytes(error.status, error.type_slug, error.title, error.detail, instance=scope.get("path"))
+        await send({"type": "http.response.start", "status": error.status,
+                    "headers": [(b"content-type", PROBLEM_MEDIA_TYPE.encode()),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 

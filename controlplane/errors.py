@@ -12,30 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from policies import FieldError
-
-PROBLEM_BASE = "https://specgate.dev/problems/"
-PROBLEM_MEDIA_TYPE = "application/problem+json"
-
-# What every error body looks like, for the OpenAPI document. Problems may carry more members
-# (current_head, state, active_revision, ...), so further properties are allowed.
-PROBLEM_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["type", "title", "status", "detail"],
-    "properties": {
-        "type": {"type": "string"},
-        "title": {"type": "string"},
-        "status": {"type": "integer"},
-        "detail": {"type": "string"},
-        "instance": {"type": "string"},
-        "errors": {"type": "array", "items": {
-            "type": "object",
-            "required": ["path", "code", "message"],
-            "properties": {"path": {"type": "string"}, "in": {"type": "string"}, "code": {"type": "string"},
-                           "message": {"type": "string"}, "line": {"type": "integer"},
-                           "column": {"type": "integer"}},
-        }},
-    },
-}
+from wire.problems import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA, ProblemCode, problem, problem_code
 
 
 def problem_response(description: str, example: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -79,18 +56,8 @@ class SpecgateError(Exception):
         self.extra = extra
 
     def to_problem(self, instance: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "type": PROBLEM_BASE + self.type_slug,
-            "title": self.title,
-            "status": self.status,
-            "detail": self.detail,
-        }
-        if instance:
-            body["instance"] = instance
-        if self.errors:
-            body["errors"] = self.errors
-        body.update(self.extra)
-        return body
+        return problem(self.status, self.type_slug, self.title, self.detail, instance=instance, errors=self.errors,
+                       **self.extra)
 
 
 class BadRequest(SpecgateError):
@@ -188,7 +155,7 @@ def install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors():
             loc = err.get("loc", ())
             where = loc[0] if loc else "body"
-            errors.append({"path": _loc_to_path(loc), "in": where, "code": err.get("type", "invalid"),
+            errors.append({"path": _loc_to_path(loc), "in": where, "code": problem_code(err),
                            "message": err.get("msg", "invalid")})
         n = len(errors)
         return render(request, ValidationFailed(f"{n} field{'s' if n != 1 else ''} did not validate",
@@ -199,7 +166,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if _unreadable_body(exc):
             # The same answer as for malformed JSON, and as POST .../revisions gives for these bodies.
             return render(request, ValidationFailed("the body is not valid JSON", errors=[{
-                "path": "body", "in": "body", "code": "invalid_json",
+                "path": "body", "in": "body", "code": ProblemCode.invalid_json,
                 "message": "not UTF-8 JSON, or nested too deeply"}]))
         problem = SpecgateError(str(exc.detail))
         problem.status = exc.status_code

@@ -22,6 +22,7 @@ from policies.errors import (
     BundleError,
     BundleFormatError,
     BundleSignatureError,
+    ErrorCode,
     FieldError,
     PolicyError,
     PolicyValidationError,
@@ -31,7 +32,7 @@ from policies.evaluate import CompiledPolicy, compile_policy, interpret
 from policies.model import API_VERSION, PolicyDocument
 from policies.shape import Decision, RequestShape, sticky_fraction
 from policies.store import PolicyStore, StoreUpdate
-from policies.validate import MAX_DOCUMENT_BYTES, load_policy, validate_data
+from policies.validate import MAX_DOCUMENT_BYTES, load_policy, pydantic_error_code, validate_data
 
 __all__ = [
     "API_VERSION",
@@ -46,6 +47,7 @@ __all__ = [
     "CompiledBundle",
     "CompiledPolicy",
     "Decision",
+    "ErrorCode",
     "FieldError",
     "PolicyDocument",
     "PolicyError",
@@ -62,6 +64,7 @@ __all__ = [
     "compile_policy",
     "interpret",
     "load_policy",
+    "pydantic_error_code",
     "revision_id",
     "sticky_fraction",
     "validate_data",

@@ -2,7 +2,7 @@
 
 Every problem found in a document is a :class:`FieldError` with a path in the
 document (``rules[2].when.batch_size.max``), a stable machine-readable
-``code`` and a human message. A document with problems raises one
+``code`` from the closed set :class:`ErrorCode` and a human message. A document with problems raises one
 :class:`PolicyValidationError` carrying all of them, so an author fixes a
 document in one round trip rather than one error at a time.
 """
@@ -10,18 +10,69 @@ document in one round trip rather than one error at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Every code a policy document or a request shape can be refused with; the values cross the wire.
+
+    Member names equal their values, so a member is interchangeable with its
+    string wherever it is compared, hashed or encoded.
+    """
+
+    # reading the text
+    document_too_large = "document_too_large"
+    invalid_encoding = "invalid_encoding"
+    empty_document = "empty_document"
+    yaml_syntax = "yaml_syntax"
+    json_syntax = "json_syntax"
+    yaml_alias = "yaml_alias"
+    duplicate_key = "duplicate_key"
+    too_deep = "too_deep"
+    # one field on its own (the models' checks, and pydantic's errors mapped by policies.validate)
+    unsupported_api_version = "unsupported_api_version"
+    unknown_field = "unknown_field"
+    missing_field = "missing_field"
+    wrong_type = "wrong_type"
+    out_of_range = "out_of_range"
+    empty = "empty"
+    too_short = "too_short"
+    too_long = "too_long"
+    invalid_name = "invalid_name"
+    invalid_format = "invalid_format"
+    invalid_value = "invalid_value"
+    inverted_range = "inverted_range"
+    empty_range = "empty_range"
+    reserved_name = "reserved_name"
+    # the whole document
+    undefined_engine = "undefined_engine"
+    not_plain_engine = "not_plain_engine"
+    no_plain_engine = "no_plain_engine"
+    ambiguous_plain_engine = "ambiguous_plain_engine"
+    plain_engine_k = "plain_engine_k"
+    k_above_engine = "k_above_engine"
+    not_speculative_engine = "not_speculative_engine"
+    duplicate_rule_name = "duplicate_rule_name"
+    shadowed_rule = "shadowed_rule"
+    # a safeguard: a document that did not validate without any more precise error being found
+    invalid = "invalid"
 
 
 @dataclass(frozen=True, slots=True)
 class FieldError:
     path: str
-    code: str
+    code: ErrorCode
     message: str
     line: int | None = None
     column: int | None = None
 
+    def __post_init__(self) -> None:
+        # A code outside the closed set fails here, where it is made, not in a client that meets it.
+        object.__setattr__(self, "code", ErrorCode(self.code))
+
     def to_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"path": self.path, "code": self.code, "message": self.message}
+        # The plain string, so that the dict encodes anywhere (YAML dumpers refuse str subclasses).
+        out: dict[str, object] = {"path": self.path, "code": self.code.value, "message": self.message}
         if self.line is not None:
             out["line"] = self.line
         if self.column is not None:

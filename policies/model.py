@@ -20,12 +20,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from policies.errors import ErrorCode
+
 API_VERSION = "specgate/v1"
 
 # Names travel in response headers and metric labels, so they stay short and plain.
-Identifier = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+Identifier = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 SpeculativeTokens = Annotated[int, Field(ge=1, le=16)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -51,7 +52,7 @@ class Range(_Strict):
         low = data.get("min")
         if value is not None and low is not None and value < low:
             raise PydanticCustomError(
-                "inverted_range", "max ({high}) is below min ({low}): the range is empty",
+                ErrorCode.inverted_range, "max ({high}) is below min ({low}): the range is empty",
                 {"high": value, "low": low},
             )
         return value
@@ -60,7 +61,7 @@ class Range(_Strict):
     def _has_a_bound(self) -> Range:
         if self.min is None and self.max is None:
             raise PydanticCustomError(
-                "empty_range", "a range needs min, max or both; an empty range would match everything"
+                ErrorCode.empty_range, "a range needs min, max or both; an empty range would match everything"
             )
         return self
 
@@ -84,7 +85,7 @@ def _one_or_many(value: object) -> object:
         return [value]
     if isinstance(value, list):
         return value
-    raise PydanticCustomError("wrong_type", "expected a string or a list of strings")
+    raise PydanticCustomError(ErrorCode.wrong_type, "expected a string or a list of strings")
 
 
 LabelValues = Annotated[StringSet, BeforeValidator(_one_or_many)]
@@ -125,7 +126,7 @@ class Rule(_Strict):
     def _not_reserved(cls, value: str) -> str:
         if value in RESERVED_RULE_NAMES:
             raise PydanticCustomError(
-                "reserved_name", "rule name '{name}' is reserved for decisions that no rule made",
+                ErrorCode.reserved_name, "rule name '{name}' is reserved for decisions that no rule made",
                 {"name": value},
             )
         return value
@@ -149,7 +150,7 @@ class NgramEngine(_Strict):
         low = getattr(info, "data", {}).get("prompt_lookup_min")
         if value is not None and low is not None and value < low:
             raise PydanticCustomError(
-                "inverted_range", "prompt_lookup_max ({high}) is below prompt_lookup_min ({low})",
+                ErrorCode.inverted_range, "prompt_lookup_max ({high}) is below prompt_lookup_min ({low})",
                 {"high": value, "low": low},
             )
         return value

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from policies.errors import FieldError, RequestShapeError
+from policies.errors import ErrorCode, FieldError, RequestShapeError
 
 _EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
 
@@ -41,12 +41,12 @@ class RequestShape:
     def from_dict(cls, data: Any) -> RequestShape:
         """Build a shape from JSON-like data, naming every bad field."""
         if not isinstance(data, Mapping):
-            raise RequestShapeError([FieldError("", "wrong_type", "a request shape is a mapping")])
+            raise RequestShapeError([FieldError("", ErrorCode.wrong_type, "a request shape is a mapping")])
         errors: list[FieldError] = []
         known = {f for f in cls.__dataclass_fields__}
         for key in data:
             if key not in known:
-                errors.append(FieldError(str(key), "unknown_field", f"unknown field '{key}'"))
+                errors.append(FieldError(str(key), ErrorCode.unknown_field, f"unknown field '{key}'"))
 
         def want(name: str, kinds: tuple[type, ...], label: str, optional: bool = False) -> None:
             if name not in data:
@@ -55,11 +55,11 @@ class RequestShape:
             if value is None and optional:
                 return
             if isinstance(value, bool) and bool not in kinds:
-                errors.append(FieldError(name, "wrong_type", f"expected {label}, got a boolean"))
+                errors.append(FieldError(name, ErrorCode.wrong_type, f"expected {label}, got a boolean"))
             elif not isinstance(value, kinds):
-                errors.append(FieldError(name, "wrong_type", f"expected {label}, got {type(value).__name__}"))
+                errors.append(FieldError(name, ErrorCode.wrong_type, f"expected {label}, got {type(value).__name__}"))
             elif isinstance(value, int) and not isinstance(value, bool) and value < 0:
-                errors.append(FieldError(name, "out_of_range", f"{value} is negative"))
+                errors.append(FieldError(name, ErrorCode.out_of_range, f"{value} is negative"))
 
         want("route", (str,), "a string")
         want("model", (str,), "a string")
@@ -73,13 +73,13 @@ class RequestShape:
         arrival = data.get("arrival_time")
         if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
                                     or not math.isfinite(arrival)):
-            errors.append(FieldError("arrival_time", "wrong_type",
+            errors.append(FieldError("arrival_time", ErrorCode.wrong_type,
                                      "expected a finite number of seconds since the Unix epoch"))
         labels = data.get("labels", {})
         if not isinstance(labels, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
         ):
-            errors.append(FieldError("labels", "wrong_type", "expected a mapping of strings to strings"))
+            errors.append(FieldError("labels", ErrorCode.wrong_type, "expected a mapping of strings to strings"))
         if errors:
             raise RequestShapeError(errors)
         values = {k: v for k, v in data.items() if k != "labels"}

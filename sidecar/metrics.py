@@ -10,8 +10,9 @@ Exposed (all prefixed ``specgate_sidecar_``):
 
 * ``decisions_total{engine,rule}`` — decisions made, by decided engine and rule
 * ``requests_total{engine,status}`` — finished requests, by the engine that served
-  them and telemetry status (ok, error, upstream_error, client_disconnect)
-* ``fallbacks_total{reason}`` — requests moved to the fallback engine
+  them and telemetry status (``wire.telemetry.EventStatus``)
+* ``fallbacks_total{reason}`` — requests moved to the fallback engine, by fallback reason
+  (``wire.telemetry.FallbackReason``, or ``upstream_5NN``)
 * ``upstream_errors_total{engine}`` — failed upstream attempts (connect, 5xx, broken stream)
 * ``rejected_total{reason}`` — requests answered by the sidecar itself (no policy, bad body)
 * ``hook_errors_total`` — exceptions raised by the on_event hook
@@ -35,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from policies import PolicyStore
 from sidecar.batch import EngineScraper, InFlight
+from wire.telemetry import EventStatus
 
 PREFIX = "specgate_sidecar_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -62,7 +64,7 @@ class SidecarMetrics(Collector):
         self.scraper = scraper
         self.queue_depth = queue_depth
         self.decisions: dict[tuple[str, str], int] = {}
-        self.requests: dict[tuple[str, str], int] = {}
+        self.requests: dict[tuple[str, EventStatus], int] = {}
         self.fallbacks: dict[str, int] = {}
         self.upstream_errors: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
@@ -77,7 +79,7 @@ class SidecarMetrics(Collector):
         key = (engine, rule)
         self.decisions[key] = self.decisions.get(key, 0) + 1
 
-    def finished(self, engine: str, status: str, seconds: float) -> None:
+    def finished(self, engine: str, status: EventStatus, seconds: float) -> None:
         key = (engine, status)
         self.requests[key] = self.requests.get(key, 0) + 1
         hist = self.latency.get(engine)
@@ -86,6 +88,7 @@ class SidecarMetrics(Collector):
         hist.observe(seconds)
 
     def fallback(self, reason: str) -> None:
+        """``reason``: a ``FallbackReason``, or ``upstream_status_reason(status)``."""
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     def upstream_error(self, engine: str) -> None:

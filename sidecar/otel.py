@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 
-from wire.telemetry import TelemetryEvent
+from wire.telemetry import EventStatus, TelemetryEvent
 
 log = logging.getLogger("specgate.sidecar.otel")
 
@@ -55,7 +55,7 @@ def _ns(moment: dt.datetime) -> int:
 
 def error_type(event: TelemetryEvent) -> str | None:
     """``error.type`` of a failed request: the HTTP status when there is one, else the outcome."""
-    if event.status == "ok":
+    if event.status == EventStatus.ok:
         return None
     if event.http_status is not None and event.http_status >= 400:
         return str(event.http_status)

@@ -9,10 +9,11 @@ OpenAI request (``POST /v1/chat/completions``, ``POST /v1/completions``) it
 2. forwards it to ``settings.engines[decision.engine]`` over that engine's
    pool of keep-alive connections (:mod:`sidecar.upstream`); an engine the worker does
    not have is replaced by the policy's fallback (plain) engine, recorded as
-   ``fallback_reason="engine_not_configured"``;
+   ``fallback_reason`` ``engine_not_configured``;
 3. if a speculative engine fails before the client got a byte (connection
    refused, connect timeout, broken connection, 5xx), retries once on the
-   fallback engine (``retries=1``, ``fallback=True``);
+   fallback engine (``retries=1``, ``fallback=True``, the ``fallback_reason``
+   of ``wire.telemetry.FallbackReason`` or ``upstream_5NN``);
 4. relays the answer: JSON whole, streams event by event as they arrive;
 5. after the response is complete, builds one ``TelemetryEvent`` and hands it
    to ``exporter.submit`` and the ``on_event`` hook, on a later loop turn.
@@ -62,7 +63,8 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
 from sidecar.upstream import Headers, Response, Upstream, UpstreamError
-from wire.telemetry import TelemetryEvent, encode_labels
+from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
+from wire.telemetry import EventStatus, FallbackReason, TelemetryEvent, encode_labels, upstream_status_reason
 
 try:  # orjson is several times faster than the stdlib; both give the same values here
     import orjson
@@ -98,7 +100,6 @@ class Exporter(Protocol):
 
 
 API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-PROBLEM_BASE = "https://specgate.dev/problems/"
 
 # request headers never forwarded (hop-by-hop, or set by the client library)
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -114,18 +115,21 @@ _H_REQUEST_ID = b"x-request-id"
 _H_FALLBACK = b"x-specgate-fallback"
 _H_CONTENT_TYPE = b"content-type"
 _H_CONTENT_LENGTH = b"content-length"
+_PROBLEM_TYPE = PROBLEM_MEDIA_TYPE.encode()
+# Looking up an enum member costs ~70 ns on Python 3.11, a module global a tenth of that; every request reads this.
+_OK = EventStatus.ok
 _STREAM_BROKEN = (b'data: {"error":{"message":"the engine connection broke mid-stream",'
                   b'"type":"upstream_error","code":502}}\n\n')
 
 
-def _failure_reason(exc: BaseException) -> str:
+def _failure_reason(exc: BaseException) -> FallbackReason:
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return "connect_timeout"
+        return FallbackReason.connect_timeout
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect_error"
+        return FallbackReason.connect_error
     if isinstance(exc, TimeoutError):
-        return "read_timeout"
-    return "upstream_disconnected"
+        return FallbackReason.read_timeout
+    return FallbackReason.upstream_disconnected
 
 
 _UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
@@ -231,8 +235,8 @@ class _Call(_Watched):
         self.schema: Any = None
         self.retries = 0
         self.fallback = False
-        self.fallback_reason: str | None = None
-        self.status = "ok"
+        self.fallback_reason: str | None = None  # a FallbackReason, or upstream_status_reason(status)
+        self.status: EventStatus = _OK
         self.http_status: int | None = None
         self.first_token: float | None = None
         self.last_token = 0.0
@@ -403,29 +407,82 @@ class SidecarApp:
 
     async def _serve(self, call: _Call, bundle: CompiledBundle, data: dict[str, Any], body: bytes,
                      headers: Headers, scope: Scope, receive: Receive, send: Send) -> None:
-        shape = call.shape
-        decision = bundle.decide(shape)
+        fallback = self._decide(call, bundle)
+        if call.engine not in self.upstreams:
+            call.status = EventStatus.error
+            call.http_status = 502
+            await _problem(send, 502, "engine-not-configured", "Engine not configured",
+                           f"neither engine {call.decision.engine!r} nor the fallback {fallback!r} is configured "
+                           "on this worker", self._our_headers(call))
+            return
+        body = self._engine_body(call, data, body)
+        query = scope.get("query_string")
+        target = call.path.encode() + b"?" + query if query else call.path.encode()  # one of API_PATHS: ASCII
+        # a disconnect of the client cancels this task, and with it the upstream request
+        watcher = call.watch(scope, receive)
+        # The forwarding stays in this coroutine (not a method of its own): it runs per request, and another
+        # coroutine would be another object made and awaited for each.
+        try:
+            engine = call.engine
+            while True:
+                # A retry only while nothing has reached the client (after the first byte it would garble the
+                # answer) and only for a speculative decision: the fallback is the plain engine the policy relies
+                # on, so a failure of a plain decision's engine is the client's answer, a 502.
+                retryable = (not call.retries and call.decision.speculate and engine != fallback
+                             and fallback in self.upstreams)
+                reason = await self._attempt(call, engine, body, headers, target, send, retryable)
+                if reason is None:
+                    break
+                self.metrics.upstream_error(engine)
+                if retryable:
+                    self._fall_back(call, fallback, reason)
+                    engine = fallback
+                    continue
+                call.status = EventStatus.upstream_error
+                call.http_status = 502
+                await _problem(send, 502, "upstream-unavailable", "Engine unavailable",
+                               f"engine {engine!r} failed before answering ({reason})", self._our_headers(call))
+                break
+        except asyncio.CancelledError:
+            if not call.disconnected:  # the server is shutting down: not the client's doing
+                call.status = EventStatus.error
+                raise
+            _uncancel()
+            call.status = EventStatus.client_disconnect
+        except BaseException:
+            call.status = EventStatus.error
+            raise
+        finally:
+            call.unwatch(watcher)
+
+    def _decide(self, call: _Call, bundle: CompiledBundle) -> str:
+        """Decides the request and picks the engine it runs on; returns the policy's fallback engine.
+
+        A decided engine this worker does not run is replaced by the fallback at once: a request served
+        plain is better than one refused, and the event records why (``engine_not_configured``).
+        """
+        decision = bundle.decide(call.shape)
         policy = bundle.active if bundle.canary is None else bundle.policy_for(call.request_id)
         call.decision = decision
         call.bundle = bundle
         call.canary = policy is bundle.canary
         call.decided = True
         fallback = policy.fallback_engine
-        upstreams = self.upstreams
         engine = decision.engine
-        if engine not in upstreams:
+        if engine not in self.upstreams:
             call.fallback = True
-            call.fallback_reason = "engine_not_configured"
-            self.metrics.fallback("engine_not_configured")
+            call.fallback_reason = FallbackReason.engine_not_configured
+            self.metrics.fallback(FallbackReason.engine_not_configured)
             engine = fallback
         call.engine = engine
-        if engine not in upstreams:
-            call.status = "error"
-            call.http_status = 502
-            await _problem(send, 502, "engine-not-configured", "Engine not configured",
-                           f"neither engine {decision.engine!r} nor the fallback {fallback!r} is configured "
-                           "on this worker", self._our_headers(call))
-            return
+        return fallback
+
+    def _engine_body(self, call: _Call, data: dict[str, Any], body: bytes) -> bytes:
+        """The body the engine gets: a stream asks for usage, the chunk the engine's own numbers come in.
+
+        Also notes the output schema of a structured request, so that the answer can be checked against it.
+        """
+        shape = call.shape
         if shape.stream:
             call.stream = True
             options = data.get("stream_options")
@@ -438,41 +495,15 @@ class SidecarApp:
             call.schema = output_schema(data)
             if call.schema is not None and shape.stream:
                 call.parts = []
-        query = scope.get("query_string")
-        target = call.path.encode() + b"?" + query if query else call.path.encode()  # one of API_PATHS: ASCII
-        # a disconnect of the client cancels this task, and with it the upstream request
-        watcher = call.watch(scope, receive)
-        try:
-            while True:
-                retryable = (not call.retries and decision.speculate and engine != fallback
-                             and fallback in upstreams)
-                reason = await self._attempt(call, engine, body, headers, target, send, retryable)
-                if reason is None:
-                    break
-                self.metrics.upstream_error(engine)
-                if retryable:
-                    call.retries = 1
-                    call.fallback = True
-                    call.fallback_reason = reason
-                    self.metrics.fallback(reason)
-                    engine = call.engine = fallback
-                    continue
-                call.status = "upstream_error"
-                call.http_status = 502
-                await _problem(send, 502, "upstream-unavailable", "Engine unavailable",
-                               f"engine {engine!r} failed before answering ({reason})", self._our_headers(call))
-                break
-        except asyncio.CancelledError:
-            if not call.disconnected:  # the server is shutting down: not the client's doing
-                call.status = "error"
-                raise
-            _uncancel()
-            call.status = "client_disconnect"
-        except BaseException:
-            call.status = "error"
-            raise
-        finally:
-            call.unwatch(watcher)
+        return body
+
+    def _fall_back(self, call: _Call, fallback: str, reason: str) -> None:
+        """Moves a request whose engine failed unseen to the fallback engine: its one retry, recorded."""
+        call.retries = 1
+        call.fallback = True
+        call.fallback_reason = reason
+        self.metrics.fallback(reason)
+        call.engine = fallback
 
     def _our_headers(self, call: _Call) -> list[tuple[bytes, bytes]]:
         """X-Request-Id, X-Specgate-Decision (prebuilt per decision) and, after a fallback, X-Specgate-Fallback."""
@@ -498,7 +529,8 @@ class SidecarApp:
         try:
             status = resp.status
             if status >= 500 and retryable:
-                return f"upstream_{status}"
+                # Past 599 is no status HTTP defines (the parser takes up to 999): a broken answer, retried as one.
+                return upstream_status_reason(status) if status <= 599 else FallbackReason.upstream_disconnected
             if call.stream and status == 200 and (resp.header(b"content-type") or b"").startswith(
                     b"text/event-stream"):
                 reason = await self._relay_stream(call, resp, send)
@@ -527,10 +559,10 @@ class SidecarApp:
         status = resp.status
         call.http_status = status
         if status >= 500:
-            call.status = "upstream_error"
+            call.status = EventStatus.upstream_error
             self.metrics.upstream_error(call.engine)
         elif status >= 400:
-            call.status = "error"
+            call.status = EventStatus.error
         if status == 200 and raw[:1] == b"{":
             try:
                 obj = _loads(raw)
@@ -582,7 +614,7 @@ class SidecarApp:
                 return exc.reason
             # after the first byte there is no retry: tell the client in the stream, then end it
             self.metrics.upstream_error(call.engine)
-            call.status = "upstream_error"
+            call.status = EventStatus.upstream_error
             await send({"type": _BODY, "body": _STREAM_BROKEN, "more_body": False})
             return None
         tail = self._scan(call, pending) if pending else b""
@@ -644,7 +676,7 @@ class SidecarApp:
                     if call.parts is not None and type(text) is str:
                         call.parts.append(text)
         elif "error" in obj:
-            call.status = "upstream_error"
+            call.status = EventStatus.upstream_error
         usage = obj.get("usage")
         metrics = obj.get("metrics")
         if usage is not None:
@@ -666,30 +698,29 @@ class SidecarApp:
     # --- telemetry (after the response) -----------------------------------------------
 
     def _finish(self, call: _Call) -> None:
+        """After the response: the request's telemetry event, its metrics, and the event handed on."""
+        e2e = call.t_end - call.t0
+        event = self._telemetry_event(call, e2e * 1000.0)
+        self.metrics.decision(call.decision.engine, call.decision.rule)
+        self.metrics.finished(call.engine, event.status, e2e)
+        self._hand_off(event)
+
+    def _telemetry_event(self, call: _Call, e2e_ms: float) -> TelemetryEvent:
+        """The event of a finished request: the decision, the request's shape, its timing and outcome, and the
+        engine's own numbers when it reported them."""
         decision = call.decision
         shape = call.shape
-        e2e = call.t_end - call.t0
-        ttft = itl = None
-        if call.first_token is not None:
-            ttft = (call.first_token - call.t0) * 1000.0
-            if call.n_chunks > 1:
-                itl = (call.last_token - call.first_token) * 1000.0 / (call.n_chunks - 1)
         usage = call.usage if type(call.usage) is dict else {}
         metrics = call.metrics if type(call.metrics) is dict else {}
-        engine_itl = _num(metrics.get("mean_itl_ms"))
-        if itl is None and not shape.stream:
-            # A JSON answer reaches the client whole, so no gap between its tokens can be seen here: its
-            # time per output token is the engine's own mean, without which the speculative-vs-plain ITL
-            # comparison would rest on streams alone.
-            itl = engine_itl
         spec = metrics.get("speculative_decoding")
         if type(spec) is not dict:
             spec = {}
+        engine_itl = _num(metrics.get("mean_itl_ms"))
         status = call.status
         http_status = call.http_status
         if http_status is not None and not 100 <= http_status <= 599:
             http_status = None
-        event = TelemetryEvent.trusted(  # every field, in field order; the values are valid by construction
+        return TelemetryEvent.trusted(  # every field, in field order; the values are valid by construction
             event_id=os.urandom(16).hex(),
             request_id=call.request_id[:128],
             time=_utc(call.wall),
@@ -716,15 +747,15 @@ class SidecarApp:
             labels=encode_labels(shape.labels),
             prompt_tokens=_num(usage.get("prompt_tokens"), integer=True),
             completion_tokens=_num(usage.get("completion_tokens"), integer=True),
-            ttft_ms=ttft,
-            itl_ms=itl,
-            e2e_ms=e2e * 1000.0,
+            ttft_ms=_ttft_ms(call),
+            itl_ms=_itl_ms(call, engine_itl),
+            e2e_ms=e2e_ms,
             status=status,
             http_status=http_status,
             retries=call.retries,
             fallback=call.fallback,
             fallback_reason=call.fallback_reason,
-            structured_valid=self._structured_valid(call) if call.schema is not None and status == "ok" else None,
+            structured_valid=self._structured_valid(call) if call.schema is not None and status is _OK else None,
             spec_draft_tokens=_num(spec.get("num_draft_tokens"), integer=True),
             spec_accepted_tokens=_num(spec.get("num_accepted_draft_tokens"), integer=True),
             spec_acceptance_rate=_num(spec.get("draft_acceptance_rate"), at_most=1.0),
@@ -734,8 +765,9 @@ class SidecarApp:
             engine_itl_ms=engine_itl,
             engine_queue_ms=_num(metrics.get("queue_time_ms")),
         )
-        self.metrics.decision(decision.engine, decision.rule)
-        self.metrics.finished(call.engine, status, e2e)
+
+    def _hand_off(self, event: TelemetryEvent) -> None:
+        """To the exporter and the on_event hook; neither may fail the loop turn that finishes requests."""
         with contextlib.suppress(Exception):  # the exporter promises not to raise; be sure
             self.exporter.submit(event)
         if self.on_event is not None:
@@ -878,8 +910,7 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes,
 
 async def _problem(send: Send, status: int, slug: str, title: str, detail: str,
                    extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps({"type": PROBLEM_BASE + slug, "title": title, "status": status, "detail": detail}).encode()
-    await _respond(send, status, body, b"application/problem+json", extra)
+    await _respond(send, status, problem_bytes(status, slug, title, detail), _PROBLEM_TYPE, extra)
 
 
 def _uncancel() -> None:
@@ -891,6 +922,24 @@ def _uncancel() -> None:
 
 def _utc(wall: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(wall, dt.UTC)
+
+
+def _ttft_ms(call: _Call) -> float | None:
+    """Streams only: admission to the first content chunk relayed."""
+    first = call.first_token
+    return None if first is None else (first - call.t0) * 1000.0
+
+
+def _itl_ms(call: _Call, engine_itl: float | None) -> float | None:
+    """The mean gap between the content chunks of a stream; for a JSON answer, the engine's own mean."""
+    if call.first_token is not None and call.n_chunks > 1:
+        return (call.last_token - call.first_token) * 1000.0 / (call.n_chunks - 1)
+    if call.shape.stream:
+        return None
+    # A JSON answer reaches the client whole, so no gap between its tokens can be seen here: its time per
+    # output token is the engine's own mean, without which the speculative-vs-plain ITL comparison would rest
+    # on streams alone.
+    return engine_itl
 
 
 def build_app(settings: SidecarSettings, store: PolicyStore, exporter: Exporter, *,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
-import json
 import logging
 import socket
 import time
@@ -46,6 +45,7 @@ from urllib.parse import unquote
 import httptools
 
 from sidecar.support import wake
+from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
 
 log = logging.getLogger("specgate.sidecar.server")
 
@@ -53,12 +53,12 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 App = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
-PROBLEM_BASE = "https://specgate.dev/problems/"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _MAX_PIPELINED = 16  # requests queued behind the one being answered before reading pauses
 _DISCONNECT: Message = {"type": "http.disconnect"}
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _NO_BODY_STATUS = frozenset({204, 304})
+_PROBLEM_TYPE = PROBLEM_MEDIA_TYPE.encode()
 
 
 class _Date:
@@ -82,9 +82,10 @@ _date = _Date()
 
 
 def _problem(status: int, slug: str, title: str, detail: str) -> bytes:
-    body = json.dumps({"type": PROBLEM_BASE + slug, "title": title, "status": status, "detail": detail}).encode()
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/problem+json\r\ncontent-length: %d\r\n%sconnection: close"
-            b"\r\n\r\n%s" % (status, _REASONS.get(status, b""), len(body), _date.get(), body))
+    """A whole HTTP response carrying a problem, for the server's own refusals; the connection closes after it."""
+    body = problem_bytes(status, slug, title, detail)
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%sconnection: close"
+            b"\r\n\r\n%s" % (status, _REASONS.get(status, b""), _PROBLEM_TYPE, len(body), _date.get(), body))
 
 
 class _Cycle:

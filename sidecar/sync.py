@@ -44,6 +44,7 @@ import aiohttp
 from policies import BundleVerifier, CompiledBundle, PolicyStore
 from sidecar.settings import SidecarSettings
 from sidecar.support import Backoff, wait_event, write_atomic
+from wire.problems import Problem, read_problem
 
 log = logging.getLogger("specgate.sidecar.sync")
 
@@ -77,10 +78,19 @@ def normalize_etag(value: str) -> str:
 class ControlPlaneError(Exception):
     """The control plane answered, but not with what the sidecar needed."""
 
-    def __init__(self, status: int, detail: str, problem_type: str = "") -> None:
+    def __init__(self, status: int, detail: str, problem: Problem | None = None) -> None:
         super().__init__(f"HTTP {status}: {detail}" if status else detail)
         self.status = status
-        self.problem_type = problem_type
+        self.problem = problem
+
+    @property
+    def worker_not_found(self) -> bool:
+        """The control plane no longer knows this worker (its database was reset, the row was removed)."""
+        return self.status == 404 and self.problem is not None and _worker_not_found(self.problem)
+
+    def names(self, path: str) -> bool:
+        """Whether the problem has an error at ``path`` (a field or parameter of the request)."""
+        return self.problem is not None and any(e.path == path for e in self.problem.errors)
 
 
 class _Reregister(Exception):
@@ -92,12 +102,12 @@ class _Rejected(Exception):
 
 
 def _problem(status: int, body: bytes) -> ControlPlaneError:
-    detail, problem_type = body[:300].decode("utf-8", "replace"), ""
-    with contextlib.suppress(ValueError, AttributeError):
-        data = json.loads(body)
-        problem_type = str(data.get("type", ""))
-        detail = str(data.get("detail") or data.get("title") or detail)
-    return ControlPlaneError(status, detail, problem_type)
+    problem = read_problem(status, body)
+    return ControlPlaneError(status, problem.detail or problem.title, problem)
+
+
+def _worker_not_found(problem: Problem) -> bool:
+    return problem.type.endswith("/worker-not-found")
 
 
 def _utc(ts: float | None) -> str | None:
@@ -375,9 +385,9 @@ class PolicySync:
             await self._apply(body, etag)
             return
         problem = _problem(status, body)
-        if status == 404 and problem.problem_type.endswith("/worker-not-found"):
+        if problem.worker_not_found:
             raise _Reregister
-        if status == 422 and b'"wait"' in body and self._wait > 1:
+        if status == 422 and problem.names("wait") and self._wait > 1:
             self._wait = max(1.0, self._wait / 2)
             log.warning("the control plane refused wait; long-polling with wait=%g s from now on", self._wait)
         raise problem
@@ -444,7 +454,7 @@ class PolicySync:
                                      timeout=timeout) as resp:
             if resp.status != 200:
                 problem = _problem(resp.status, await resp.read())
-                if resp.status == 404 and problem.problem_type.endswith("/worker-not-found"):
+                if problem.worker_not_found:
                     raise _Reregister
                 raise problem
             self.sse_connected = True
@@ -469,9 +479,8 @@ class PolicySync:
     def _on_notice(self, event: str, data: str) -> None:
         if event == "error":
             log.warning("change stream ended by the control plane: %s", data[:300])
-            with contextlib.suppress(ValueError, AttributeError):
-                if str(json.loads(data).get("type", "")).endswith("/worker-not-found"):
-                    self._forget_registration()
+            if _worker_not_found(read_problem(0, data)):
+                self._forget_registration()
             self._wake.set()
             return
         if event != "bundle":
@@ -515,7 +524,7 @@ class PolicySync:
                                           timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:
                 answer = await resp.read()
                 status = resp.status
-            if status == 404 and _problem(status, answer).problem_type.endswith("/worker-not-found"):
+            if _problem(status, answer).worker_not_found:
                 self._forget_registration()
                 await self._ensure_registered()
                 continue

@@ -10,10 +10,11 @@ response headers as raw bytes. It is used for the OpenAI ``POST`` requests
 only; pass-through requests (any method, redirects left to the client, ``HEAD``)
 keep aiohttp.
 
-Failures are :class:`UpstreamError` with a ``reason`` the telemetry records:
-``connect_error`` (refused, unreachable), ``connect_timeout``, ``read_timeout``
-(no byte for ``read_timeout_s``; checked about once a second, so it fires up to
-a second late) and ``upstream_disconnected`` (closed early, or not HTTP).
+Failures are :class:`UpstreamError` with a ``reason`` the telemetry records
+(a ``wire.telemetry.FallbackReason``): ``connect_error`` (refused,
+unreachable), ``connect_timeout``, ``read_timeout`` (no byte for
+``read_timeout_s``; checked about once a second, so it fires up to a second
+late) and ``upstream_disconnected`` (closed early, or not HTTP).
 
 A connection goes back to the pool only when its response was read to the end
 and the engine allows keep-alive; anything else closes it, so the engine sees
@@ -32,6 +33,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from sidecar.support import wake
+from wire.telemetry import FallbackReason
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -43,7 +45,7 @@ _IDLE_KEEPALIVE_S = 60.0
 class UpstreamError(Exception):
     """The engine could not be reached, or failed before its response was complete."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: FallbackReason, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
 
@@ -79,13 +81,13 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self.abort()
-            response._fail(UpstreamError("upstream_disconnected", f"not HTTP: {exc}"))
+            response._fail(UpstreamError(FallbackReason.upstream_disconnected, f"not HTTP: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None  # None from here on: closed
         response = self.response
         if response is not None and not response.complete:
-            response._fail(UpstreamError("upstream_disconnected", "the engine closed the connection"))
+            response._fail(UpstreamError(FallbackReason.upstream_disconnected, "the engine closed the connection"))
 
     def pause_writing(self) -> None:
         # The request is one bytes object already in memory; what the socket cannot take yet waits in the
@@ -125,7 +127,7 @@ class _Connection(asyncio.Protocol):
             self.parser = httptools.HttpResponseParser(self)
         self.last_io = self.pool.loop.time()
         if self.transport is None:  # lost between the pool and here
-            response._fail(UpstreamError("upstream_disconnected", "the engine closed the connection"))
+            response._fail(UpstreamError(FallbackReason.upstream_disconnected, "the engine closed the connection"))
             return
         self.transport.write(data)
 
@@ -281,7 +283,7 @@ class Upstream:
         hold Host, Content-Length, Connection or Transfer-Encoding, which this client writes.
         """
         if self._closed:
-            raise UpstreamError("connect_error", "the client is closed")
+            raise UpstreamError(FallbackReason.connect_error, "the client is closed")
         conn = self._take_idle()
         if conn is None:
             conn = await self._connect()
@@ -313,10 +315,11 @@ class Upstream:
                 self.loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.tls),
                 self.connect_timeout_s)
         except TimeoutError as exc:
-            raise UpstreamError("connect_timeout", f"no connection to {self.host}:{self.port} "
+            raise UpstreamError(FallbackReason.connect_timeout, f"no connection to {self.host}:{self.port} "
                                 f"within {self.connect_timeout_s} s") from exc
         except OSError as exc:
-            raise UpstreamError("connect_error", f"{self.host}:{self.port}: {exc.strerror or exc}") from exc
+            raise UpstreamError(FallbackReason.connect_error,
+                                f"{self.host}:{self.port}: {exc.strerror or exc}") from exc
         return conn
 
     def _put(self, conn: _Connection) -> None:
@@ -340,7 +343,8 @@ class Upstream:
             elif not response.complete and not conn.paused and now - conn.last_io > self.read_timeout_s:
                 self.busy.discard(conn)
                 conn.abort()
-                response._fail(UpstreamError("read_timeout", f"no data from the engine for {self.read_timeout_s} s"))
+                response._fail(UpstreamError(FallbackReason.read_timeout,
+                                             f"no data from the engine for {self.read_timeout_s} s"))
         idle = self.idle
         while idle and (idle[0][1].transport is None or now - idle[0][0] > _IDLE_KEEPALIVE_S):
             idle.popleft()[1].abort()

@@ -12,12 +12,105 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from policies import ErrorCode, pydantic_error_code
+
 PROBLEM_BASE = "https://specgate.dev/problems/"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+class ProblemCode(StrEnum):
+    """Every code the control plane puts in a problem's ``errors[].code`` (and in a recommendation's
+    ``problems``): the policy library's :class:`policies.ErrorCode`, each of its values under the same
+    name, and the API's own.
+
+    docs/control-plane.md has a table of them. Readers stay tolerant (:class:`FieldProblem` keeps any string),
+    so a client keeps working against a newer control plane with a code it does not know yet.
+    """
+
+    # policies.ErrorCode: a policy document or a request shape, and pydantic's errors in requests
+    document_too_large = "document_too_large"
+    invalid_encoding = "invalid_encoding"
+    empty_document = "empty_document"
+    yaml_syntax = "yaml_syntax"
+    json_syntax = "json_syntax"
+    yaml_alias = "yaml_alias"
+    duplicate_key = "duplicate_key"
+    too_deep = "too_deep"
+    unsupported_api_version = "unsupported_api_version"
+    unknown_field = "unknown_field"
+    missing_field = "missing_field"
+    wrong_type = "wrong_type"
+    out_of_range = "out_of_range"
+    empty = "empty"
+    too_short = "too_short"
+    too_long = "too_long"
+    invalid_name = "invalid_name"
+    invalid_format = "invalid_format"
+    invalid_value = "invalid_value"
+    inverted_range = "inverted_range"
+    empty_range = "empty_range"
+    reserved_name = "reserved_name"
+    undefined_engine = "undefined_engine"
+    not_plain_engine = "not_plain_engine"
+    no_plain_engine = "no_plain_engine"
+    ambiguous_plain_engine = "ambiguous_plain_engine"
+    plain_engine_k = "plain_engine_k"
+    k_above_engine = "k_above_engine"
+    not_speculative_engine = "not_speculative_engine"
+    duplicate_rule_name = "duplicate_rule_name"
+    shadowed_rule = "shadowed_rule"
+    invalid = "invalid"
+    # the body as a whole
+    invalid_json = "invalid_json"
+    invalid_gzip = "invalid_gzip"
+    unsupported_media_type = "unsupported_media_type"
+    unsupported_encoding = "unsupported_encoding"
+    # a request's fields and parameters
+    missing = "missing"
+    one_of = "one_of"
+    before_from = "before_from"
+    empty_window = "empty_window"
+    worker_alone = "worker_alone"
+    invalid_cursor = "invalid_cursor"
+    # preconditions (If-Match)
+    malformed = "malformed"
+    stale = "stale"
+    # the objects a request names
+    not_found = "not_found"
+    unknown_revision = "unknown_revision"
+    name_mismatch = "name_mismatch"
+    duplicate = "duplicate"
+    pool_taken = "pool_taken"
+    no_active_revision = "no_active_revision"
+    wrong_policy = "wrong_policy"
+    already_active = "already_active"
+    pool_mismatch = "pool_mismatch"
+    # rollout steps
+    not_increasing = "not_increasing"
+    last_not_100 = "last_not_100"
+    # a recommendation whose edit does not apply to the policy (its ``problems`` use these codes too)
+    not_applicable = "not_applicable"
+
+
+def problem_code(error: Mapping[str, Any]) -> ProblemCode:
+    """The closed code of one pydantic error in a request: its body, a parameter, a header, a telemetry event.
+
+    :func:`policies.pydantic_error_code`, in the API's own terms where they differ: a body that is not JSON
+    is ``invalid_json`` and an absent required field or parameter is ``missing``, as in the API's own
+    refusals of the same mistakes.
+    """
+    if error.get("type") == "json_invalid":
+        return ProblemCode.invalid_json
+    code = pydantic_error_code(error)
+    if code is ErrorCode.missing_field:
+        return ProblemCode.missing
+    return ProblemCode(code.value)
+
 
 # What every error body looks like, for OpenAPI documents. Problems may carry more members (current_head, state,
 # active_revision, ...), so further properties are allowed.
@@ -33,7 +126,8 @@ PROBLEM_SCHEMA: dict[str, Any] = {
         "errors": {"type": "array", "items": {
             "type": "object",
             "required": ["path", "code", "message"],
-            "properties": {"path": {"type": "string"}, "in": {"type": "string"}, "code": {"type": "string"},
+            "properties": {"path": {"type": "string"}, "in": {"type": "string"},
+                           "code": {"type": "string", "enum": [c.value for c in ProblemCode]},
                            "message": {"type": "string"}, "line": {"type": "integer"},
                            "column": {"type": "integer"}},
         }},

@@ -66,7 +66,7 @@ async def bundle(request: Request, _: BundleReader,
     longest = request.app.state.settings.long_poll_max_s
     if wait is not None and wait > longest:
         raise ValidationFailed("1 field did not validate", errors=[{
-            "path": "wait", "in": "query", "code": "less_than_equal",
+            "path": "wait", "in": "query", "code": "out_of_range",
             "message": f"Input should be less than or equal to {longest:g}"}])
     hub = request.app.state.hub
     known = etags_in(if_none_match)

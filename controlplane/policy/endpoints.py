@@ -16,6 +16,8 @@ from controlplane.errors import (
     AUTH_RESPONSES,
     INVALID_RESPONSE,
     TOO_LARGE_RESPONSE,
+    PolicyInvalid,
+    PreconditionFailed,
     UnsupportedMediaType,
     ValidationFailed,
     problem_response,
@@ -138,13 +140,11 @@ def get_policy(name: str, session: SessionDep, _: Reader) -> PolicyRead:
     responses={**_AUTH, 404: _NOT_FOUND, **TOO_LARGE_RESPONSE,
                415: problem_response("the body is not application/json"),
                422: problem_response("the document is invalid: every error with its path, code, message and "
-                                     "line (for text); or a shape is malformed", {
-                   "type": "https://specgate.dev/problems/invalid-policy",
-                   "title": "The policy document is invalid", "status": 422,
-                   "detail": "the document has 1 error",
-                   "errors": [{"path": "rules[0].when.batch_size.max", "code": "inverted_range",
-                               "message": "max (4) is below min (5): the range is empty", "line": 9,
-                               "column": 40}]})},
+                                     "line (for text); or a shape is malformed", PolicyInvalid(
+                   "the document has 1 error",
+                   errors=[{"path": "rules[0].when.batch_size.max", "code": "inverted_range",
+                            "message": "max (4) is below min (5): the range is empty", "line": 9,
+                            "column": 40}]).to_problem())},
 )
 def validate(name: str, body: ValidateRequest, session: SessionDep, _: Reader,
              _json: Annotated[None, Depends(_json_content)]) -> ValidationRead:
@@ -259,18 +259,15 @@ def _submit(request: Request, name: str, submission: service.Submission, if_matc
         400: problem_response("If-Match is malformed"),
         **_AUTH, 404: _NOT_FOUND,
         409: problem_response("another revision was created at the same moment; retry against the new head"),
-        412: problem_response("If-Match does not name the head revision", {
-            "type": "https://specgate.dev/problems/precondition-failed", "title": "Precondition failed",
-            "status": 412, "detail": "If-Match does not name the policy's head revision",
-            "current_head": "4f0c...e1"}),
+        412: problem_response("If-Match does not name the head revision", PreconditionFailed(
+            "If-Match does not name the policy's head revision", current_head="4f0c...e1").to_problem()),
         **TOO_LARGE_RESPONSE,
         415: problem_response("unsupported Content-Type"),
-        422: problem_response("the document is invalid: every error with its path, code, message and line", {
-            "type": "https://specgate.dev/problems/invalid-policy", "title": "The policy document is invalid",
-            "status": 422, "detail": "the document has 1 error",
-            "errors": [{"path": "rules[0].then.engine", "code": "undefined_engine",
-                        "message": "engine 'drfat' is not defined in engines (defined: base, draft); "
-                                   "did you mean 'draft'?", "line": 9, "column": 25}]}),
+        422: problem_response("the document is invalid: every error with its path, code, message and line",
+                              PolicyInvalid("the document has 1 error", errors=[
+                                  {"path": "rules[0].then.engine", "code": "undefined_engine",
+                                   "message": "engine 'drfat' is not defined in engines (defined: base, draft); "
+                                              "did you mean 'draft'?", "line": 9, "column": 25}]).to_problem()),
         428: problem_response("the policy has a head revision and If-Match is missing"),
     },
 )
@@ -343,12 +340,10 @@ def get_revision(revision_id: str, session: SessionDep, response: Response,
              summary="Decide request shapes under a revision",
              responses={**_AUTH, 404: _NOT_FOUND, **TOO_LARGE_RESPONSE,
                         415: problem_response("the body is not application/json"),
-                        422: problem_response("a shape is malformed", {
-                            "type": "https://specgate.dev/problems/validation",
-                            "title": "The request did not validate", "status": 422,
-                            "detail": "1 problem in the request shapes",
-                            "errors": [{"path": "shapes[3].batch_size", "in": "body", "code": "wrong_type",
-                                        "message": "expected an integer, got str"}]})})
+                        422: problem_response("a shape is malformed", ValidationFailed(
+                            "1 problem in the request shapes",
+                            errors=[{"path": "shapes[3].batch_size", "in": "body", "code": "wrong_type",
+                                     "message": "expected an integer, got str"}]).to_problem())})
 def evaluate(revision_id: str, body: EvaluateRequest, session: SessionDep,
              _: Reader, _json: Annotated[None, Depends(_json_content)]) -> list[Evaluation]:
     """What a worker running this revision would decide for each shape (ignoring the kill switch and

@@ -30,6 +30,7 @@ from controlplane.policy.repository import PolicyRepository, RevisionRepository
 from policies import (
     CompiledPolicy,
     Decision,
+    ErrorCode,
     FieldError,
     PolicyDocument,
     PolicyValidationError,
@@ -161,10 +162,10 @@ def load_submission(submission: Submission) -> LoadedDocument:
     except RecursionError:
         # The YAML reader recurses once per nesting level; no valid policy nests this deep.
         raise PolicyInvalid.from_field_errors([FieldError(
-            "", "too_deep", "the document nests too deeply to be a policy")]) from None
+            "", ErrorCode.too_deep, "the document nests too deeply to be a policy")]) from None
     except UnicodeError:
         raise PolicyInvalid.from_field_errors([FieldError(
-            "", "invalid_encoding", "the document contains text that is not valid Unicode "
+            "", ErrorCode.invalid_encoding, "the document contains text that is not valid Unicode "
             "(e.g. a lone surrogate escape)")]) from None
     return loaded
 

@@ -31,6 +31,7 @@ from controlplane.telemetry.schemas import (
     RollupKeyRead,
     RollupReport,
 )
+from wire.problems import ProblemCode
 from wire.telemetry import TelemetryEvent
 
 router = APIRouter(prefix="/v1/telemetry", tags=["telemetry"], responses=AUTH_RESPONSES)
@@ -133,7 +134,7 @@ def _utc(value: str | None, name: str) -> dt.datetime | None:
     """An ISO 8601 date-time (no zone: UTC) in UTC; numbers and bare dates are refused."""
     if value is None:
         return None
-    problem = {"path": name, "in": "query", "code": "datetime", "message": "must be an ISO 8601 date-time"}
+    problem = {"path": name, "in": "query", "code": ProblemCode.wrong_type, "message": "must be an ISO 8601 date-time"}
     when: dt.datetime | None = None
     if _DATE_TIME_START.match(value):  # pydantic alone would read "1700000000" as a Unix time
         with contextlib.suppress(ValidationError):
@@ -143,7 +144,7 @@ def _utc(value: str | None, name: str) -> dt.datetime | None:
     try:
         return when.replace(tzinfo=dt.UTC) if when.tzinfo is None else when.astimezone(dt.UTC)
     except OverflowError:
-        problem.update(code="out_of_range", message="is out of range in UTC")
+        problem.update(code=ProblemCode.out_of_range, message="is out of range in UTC")
         raise ValidationFailed(f"`{name}` is out of range in UTC", errors=[problem]) from None
 
 
@@ -166,7 +167,7 @@ def parse_group_by(values: list[str], kind: type[_G]) -> list[_G]:
         try:
             group = kind(value)
         except ValueError:
-            errors.append({"path": f"group_by[{i}]", "in": "query", "code": "enum",
+            errors.append({"path": f"group_by[{i}]", "in": "query", "code": ProblemCode.invalid_value,
                            "message": f"{value!r} is not one of: {', '.join(g.value for g in kind)}"})
             continue
         if group not in out:
@@ -202,7 +203,7 @@ def rollups(
     since, until = _utc(start, "from"), _utc(end, "to")
     if since is not None and until is not None and since >= until:
         raise ValidationFailed("`from` must be before `to`", errors=[
-            {"path": "to", "in": "query", "code": "before_from", "message": "must be after `from`"}])
+            {"path": "to", "in": "query", "code": ProblemCode.before_from, "message": "must be after `from`"}])
     flt = RollupFilter(policy=policy, revision=revision, route=route, engine=engine, explored=explored,
                        start=since, end=until)
     summaries, truncated = service.summarize(session, flt, [g.value for g in groups], limit)

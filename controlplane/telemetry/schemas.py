@@ -8,7 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
-from wire.telemetry import EVENT_SCHEMA_VERSION
+from wire.problems import ProblemCode
+from wire.telemetry import EVENT_SCHEMA_VERSION, TelemetryEvent
 
 # PostgreSQL text cannot hold NUL, and ids with control characters only confuse people.
 NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
@@ -35,9 +36,15 @@ class BatchEnvelope(BaseModel):
     events: list[Any] = Field(max_length=MAX_EVENTS)
 
 
+class ValidBatch(BatchEnvelope):
+    """The strict envelope with every event valid: the one-pass check of a batch that has no bad event."""
+
+    events: list[TelemetryEvent] = Field(max_length=MAX_EVENTS)
+
+
 class EventError(BaseModel):
     path: str = Field(description="field of the event at fault ('' for the event as a whole)")
-    code: str
+    code: ProblemCode
     message: str
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +33,9 @@ from analysis.buckets import batch_bucket_label
 from analysis.histogram import METRICS, quantile
 from analysis.rollup import COUNTERS, KEY_FIELDS, aggregate
 from controlplane.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
-from controlplane.telemetry.contract import StoredBatch, StoredEvent
 from controlplane.telemetry.repository import PurgeCounts, RollupFilter, TelemetryRepository
-from controlplane.telemetry.schemas import BatchAck, BatchEnvelope, EventError, RejectedEvent
+from controlplane.telemetry.schemas import BatchAck, BatchEnvelope, EventError, RejectedEvent, ValidBatch
+from wire.problems import ProblemCode, problem_code
 from wire.telemetry import TelemetryEvent
 
 # A gzip body may inflate to this many times SPECGATE_MAX_BODY_BYTES, no more (zip bombs).
@@ -43,6 +43,7 @@ DECOMPRESSION_FACTOR = 16
 JSON_TYPE = "application/json"
 # Errors kept per rejected event (an object with thousands of unknown keys has thousands).
 MAX_ERRORS_PER_EVENT = 10
+_PROBLEM_CODES = frozenset(code.value for code in ProblemCode)
 
 
 # --- decoding and validation ------------------------------------------------------------------
@@ -72,12 +73,13 @@ def gunzip_bounded(data: bytes, limit: int) -> bytes:
                 out += inflater.decompress(inflater.unconsumed_tail, limit + 1 - len(out))
         except zlib.error as exc:
             raise BadRequest(f"the body is not valid gzip: {exc}", errors=[
-                {"path": "body", "in": "body", "code": "invalid_gzip", "message": str(exc)}]) from None
+                {"path": "body", "in": "body", "code": ProblemCode.invalid_gzip, "message": str(exc)}]) from None
         if len(out) > limit:
             raise PayloadTooLarge(f"the body inflates to more than {limit} bytes")
         if not inflater.eof:
             raise BadRequest("the gzip body is truncated", errors=[
-                {"path": "body", "in": "body", "code": "invalid_gzip", "message": "the gzip stream ends early"}])
+                {"path": "body", "in": "body", "code": ProblemCode.invalid_gzip,
+                 "message": "the gzip stream ends early"}])
         rest = inflater.unused_data
         if not rest:
             return bytes(out)
@@ -89,7 +91,7 @@ def decode_body(body: bytes, *, content_type: str | None, content_encoding: str 
     if media not in ("", JSON_TYPE):
         message = f"Content-Type {media!r} is not accepted; send {JSON_TYPE}"
         raise UnsupportedMediaType(message, errors=[
-            {"path": "Content-Type", "in": "header", "code": "unsupported_media_type", "message": message}])
+            {"path": "Content-Type", "in": "header", "code": ProblemCode.unsupported_media_type, "message": message}])
     encoding = (content_encoding or "").strip().lower()
     if encoding in ("", "identity"):
         return body
@@ -97,7 +99,7 @@ def decode_body(body: bytes, *, content_type: str | None, content_encoding: str 
         return gunzip_bounded(body, max_decompressed)
     message = f"Content-Encoding {encoding!r} is not accepted; send gzip or none"
     raise UnsupportedMediaType(message, errors=[
-        {"path": "Content-Encoding", "in": "header", "code": "unsupported_encoding", "message": message}])
+        {"path": "Content-Encoding", "in": "header", "code": ProblemCode.unsupported_encoding, "message": message}])
 
 
 def _path(loc: Sequence[int | str]) -> str:
@@ -108,7 +110,7 @@ def _path(loc: Sequence[int | str]) -> str:
 
 
 def _event_errors(errors: Sequence[ErrorDetails]) -> list[EventError]:
-    return [EventError(path=_path(e["loc"]), code=e["type"], message=e["msg"])
+    return [EventError(path=_path(e["loc"]), code=problem_code(e), message=e["msg"])
             for e in errors[:MAX_ERRORS_PER_EVENT]]
 
 
@@ -122,12 +124,12 @@ def _to_utc(event: TelemetryEvent) -> EventError | None:
         try:
             event.time = time.astimezone(dt.UTC)
         except OverflowError:
-            return EventError(path="time", code="out_of_range", message="is out of range in UTC")
+            return EventError(path="time", code=ProblemCode.out_of_range, message="is out of range in UTC")
     return None
 
 
 def _envelope_failed(exc: ValidationError) -> ValidationFailed:
-    errors = [{"path": _path(e["loc"]), "in": "body", "code": e["type"], "message": e["msg"]}
+    errors = [{"path": _path(e["loc"]), "in": "body", "code": problem_code(e), "message": e["msg"]}
               for e in exc.errors(include_url=False)]
     n = len(errors)
     return ValidationFailed(f"the batch envelope has {n} error{'s' if n != 1 else ''}", errors=errors)
@@ -136,14 +138,14 @@ def _envelope_failed(exc: ValidationError) -> ValidationFailed:
 def parse_batch(raw: bytes) -> ParsedBatch:
     """Validate a TelemetryBatch: the envelope strictly (422), then each event on its own.
 
-    Events are validated against the contract with the store's limits
-    (:class:`controlplane.telemetry.contract.StoredEvent`). The common case,
-    a batch whose every event is valid, is validated in one pass; when that
-    fails, the batch is taken apart and each event validated on its own, so
-    that the bad ones are refused with their index and the good ones kept.
+    Events are validated against the contract, ``wire.telemetry.TelemetryEvent``,
+    which includes the store's limits. The common case, a batch whose every
+    event is valid, is validated in one pass; when that fails, the batch is
+    taken apart and each event validated on its own, so that the bad ones are
+    refused with their index and the good ones kept.
     """
     try:
-        whole = StoredBatch.model_validate_json(raw)
+        whole = ValidBatch.model_validate_json(raw)
     except ValidationError:
         return _parse_event_by_event(raw)
     events: list[TelemetryEvent] = []
@@ -165,10 +167,10 @@ def _parse_event_by_event(raw: bytes) -> ParsedBatch:
     except ValueError as exc:
         message = str(exc) or "not UTF-8 JSON, or nested too deeply"
         raise ValidationFailed(f"the body is not valid JSON: {message}", errors=[
-            {"path": "body", "in": "body", "code": "invalid_json", "message": message}]) from None
+            {"path": "body", "in": "body", "code": ProblemCode.invalid_json, "message": message}]) from None
     if not isinstance(data, dict):
         raise ValidationFailed("the body must be a JSON object (a TelemetryBatch)", errors=[
-            {"path": "", "in": "body", "code": "model_type", "message": "must be a JSON object"}])
+            {"path": "", "in": "body", "code": ProblemCode.wrong_type, "message": "must be a JSON object"}])
     try:
         envelope = BatchEnvelope.model_validate(data)
     except ValidationError as exc:
@@ -177,7 +179,7 @@ def _parse_event_by_event(raw: bytes) -> ParsedBatch:
     rejected: list[RejectedEvent] = []
     for index, item in enumerate(envelope.events):
         try:
-            event = StoredEvent.model_validate(item)
+            event = TelemetryEvent.model_validate(item)
         except ValidationError as exc:
             rejected.append(RejectedEvent(index=index, errors=_event_errors(exc.errors(include_url=False))))
             continue
@@ -212,7 +214,7 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
         if first is None:  # pragma: no cover - the conflicting row is committed when DO NOTHING sees it
             raise RuntimeError(f"batch {batch.batch_id!r} conflicted but cannot be read")
         ack = BatchAck(batch_id=first.batch_id, accepted=first.accepted, stored=first.stored,
-                       rejected=[RejectedEvent.model_validate(r) for r in first.rejected], duplicate=True)
+                       rejected=[_stored_rejection(r) for r in first.rejected], duplicate=True)
         return IngestResult(ack, already_stored=0)
 
     unique: dict[str, TelemetryEvent] = {}
@@ -227,6 +229,19 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
     ack = BatchAck(batch_id=batch.batch_id, accepted=len(batch.events), stored=len(fresh),
                    rejected=batch.rejected, duplicate=False)
     return IngestResult(ack, already_stored=len(batch.events) - len(fresh))
+
+
+def _stored_rejection(stored: Mapping[str, Any]) -> RejectedEvent:
+    """A rejection as its batch record keeps it, in today's codes.
+
+    Records written before the codes were closed hold pydantic's error types
+    (``string_pattern_mismatch``); they are read through the same mapping, so
+    that a batch replayed across an upgrade is answered as the first time, not
+    refused with a 500 its sender would retry for ever.
+    """
+    errors = [{**e, "code": e["code"] if e.get("code") in _PROBLEM_CODES else problem_code({"type": e.get("code")})}
+              for e in stored.get("errors", [])]
+    return RejectedEvent(index=stored["index"], errors=errors)
 
 
 def _add_to_rollups(repo: TelemetryRepository, events: Sequence[TelemetryEvent]) -> None:

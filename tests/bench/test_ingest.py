@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.telemetry.contract import StoredBatch
+from controlplane.telemetry.schemas import ValidBatch
 from tests.support import paths
 
 # bench/ is not an installed package: make the repository root importable.
@@ -23,7 +23,7 @@ ingest = importlib.import_module("bench.ingest")
 
 def test_prepared_batches_are_valid_unique_and_varied() -> None:
     now = time.time()
-    batches = [StoredBatch.model_validate_json(gzip.decompress(ingest.make_body(("run", i, 200, 7, now))))
+    batches = [ValidBatch.model_validate_json(gzip.decompress(ingest.make_body(("run", i, 200, 7, now))))
                for i in range(3)]
     events = [e for b in batches for e in b.events]
     assert len(events) == 600

@@ -73,6 +73,7 @@ revocation reason). ``/readyz``'s 503 was declared along the way.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -102,12 +103,13 @@ from controlplane.app import create_app
 from controlplane.auth.schemas import Scope
 from controlplane.auth.service import create_key
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
-from controlplane.errors import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
 from policies import SigningKey
+from tests.support import paths
 from tests.support.auth import bearer
 from tests.support.factories import seed_policy, seed_text
+from wire.problems import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA, ProblemCode
 
 MAX_EXAMPLES = 25
 LONG_POLL_MAX_S = 0.5
@@ -391,3 +393,51 @@ def test_revoke_reason_with_nul_is_422_and_revokes_nothing(client: TestClient, a
     r = client.delete(f"/v1/keys/{victim['id']}", params={"reason": "a\x00b"}, headers=admin)
     assert r.status_code == 422, r.text
     assert [k["revoked_at"] for k in client.get("/v1/keys", headers=admin).json() if k["name"] == "victim"] == [None]
+
+
+# --- the codes of errors are a closed set ---------------------------------------------------------------------
+# The problem schema lists every ProblemCode, so response_schema_conformance above already refuses any other code
+# the fuzzer provokes; these cover what random requests rarely reach.
+
+CODES = {code.value for code in ProblemCode}
+
+
+def test_the_documented_problem_lists_the_closed_codes() -> None:
+    errors = PROBLEM_SCHEMA["properties"]["errors"]["items"]["properties"]
+    assert errors["code"]["enum"] == [code.value for code in ProblemCode]
+
+
+@pytest.mark.parametrize(("method", "path", "params", "body"), [
+    ("POST", "/v1/policies", None, {"name": 7, "pool": ["a"], "colour": "red"}),
+    ("POST", "/v1/policies", None, "not an object"),
+    ("POST", "/v1/rollouts", None, {"policy": "seed\x00", "revision": "", "steps": [0, 150, "x"],
+                                    "mode": "dns", "target": {"color": 1}}),
+    ("GET", "/v1/rollouts", {"state": "done", "limit": "many", "cursor": "!"}, None),
+    ("GET", "/v1/telemetry/rollups", {"from": "yesterday", "group_by": "colour", "limit": 0}, None),
+    ("GET", "/v1/telemetry/rollups", {"from": "9999-12-31T23:59:59-12:00"}, None),
+    ("GET", "/v1/bundle", {"worker": "w\x00", "wait": 10**9}, None),
+    ("GET", "/v1/audit", {"cursor": 2**63}, None),
+    ("POST", "/v1/workers/register", None, {"id": "", "pool": "a\x01", "in_flight": True}),
+    ("POST", "/v1/telemetry/batches", None, [1, 2]),
+    ("POST", "/v1/telemetry/batches", None, {"batch_id": "b", "worker_id": "w", "schema_version": 2, "events": 1}),
+])
+def test_the_error_handler_answers_only_closed_codes(client: TestClient, admin: dict[str, str],
+                                                     worker_key: dict[str, str], method: str, path: str,
+                                                     params: dict[str, Any] | None, body: Any) -> None:
+    headers = worker_key if path.startswith(("/v1/workers", "/v1/telemetry/batches")) else admin
+    r = client.request(method, path, params=params, json=body, headers=headers)
+    assert r.status_code in (400, 404, 422), r.text
+    codes = [e["code"] for e in r.json().get("errors", [])]
+    assert codes, r.text
+    assert set(codes) <= CODES, r.text
+
+
+def test_every_code_written_in_the_control_plane_is_a_problem_code() -> None:
+    # Codes written as literals where the API builds its own field errors, in every domain.
+    written = re.compile(r'"code":\s*"(\w+)"|_field(?:_error)?\([^,()]+,\s*"(\w+)"|code="(\w+)"')
+    found: dict[str, str] = {}
+    for source in sorted((paths.ROOT / "controlplane").rglob("*.py")):
+        for match in written.finditer(source.read_text()):
+            found.setdefault(next(g for g in match.groups() if g), source.name)
+    assert len(found) >= 15, found  # the pattern still finds the API's codes
+    assert {code: where for code, where in found.items() if code not in CODES} == {}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import policies
-from policies import PolicyValidationError, RequestShape
+from policies import ErrorCode, PolicyValidationError, RequestShape
 from policies.model import When
 from tests.support import paths
 
@@ -148,6 +148,7 @@ def test_invalid_vector(vector: dict[str, Any]) -> None:
     with pytest.raises(PolicyValidationError) as info:
         policies.load_policy(text)
     errors = info.value.errors
+    assert all(isinstance(e.code, ErrorCode) for e in errors)
     got = {(e.path, e.code) for e in errors}
     want = {(e["path"], e["code"]) for e in vector["errors"]}
     assert got == want, "\n".join(str(e) for e in errors)
@@ -205,6 +206,13 @@ def test_every_error_code_is_exercised() -> None:
     assert not missing, f"no invalid vector expects {sorted(missing)}"
     unknown = used - KNOWN_CODES
     assert not unknown, f"vectors expect codes not listed in KNOWN_CODES: {sorted(unknown)}"
+
+
+def test_every_code_of_the_vectors_is_an_error_code() -> None:
+    # The vectors are the contract other implementations run: their codes are the library's closed set.
+    used = {e["code"] for v in INVALID_VECTORS for e in v["errors"]}
+    assert used <= {code.value for code in ErrorCode}, sorted(used - set(ErrorCode))
+    assert not KNOWN_CODES - {code.value for code in ErrorCode}
 
 
 def test_exploration_is_exercised_both_ways() -> None:

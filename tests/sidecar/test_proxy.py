@@ -15,7 +15,7 @@ from sidecar.proxy import build_app
 from sidecar.settings import SidecarSettings
 from tests.support.fake_upstream import SPEC_METRICS, Blackhole, FakeEngine, closed_port, engine_metrics
 from tests.support.sidecars import SEED, RecordingExporter, Sidecar, SidecarFactory, seed_bundle, wait_for
-from wire.telemetry import TelemetryBatch, TelemetryEvent
+from wire.telemetry import EventStatus, FallbackReason, TelemetryBatch, TelemetryEvent, is_fallback_reason
 
 CHAT = "/v1/chat/completions"
 SCHEMA = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
@@ -310,7 +310,7 @@ def test_stream_is_relayed_as_it_arrives(make_sidecar: SidecarFactory, draft: Fa
 
 # --- fallback ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fault", ["refused", "5xx", "slow_connect", "closed_before_answer"])
+@pytest.mark.parametrize("fault", ["refused", "5xx", "status_600", "slow_connect", "closed_before_answer"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_failing_speculative_engine_falls_back_to_base(make_sidecar: SidecarFactory, draft: FakeEngine,
                                                        base: FakeEngine, fault: str, stream: bool) -> None:
@@ -323,6 +323,8 @@ def test_failing_speculative_engine_falls_back_to_base(make_sidecar: SidecarFact
             draft_url = blackhole.url
         elif fault == "5xx":
             draft.fail_status = 503
+        elif fault == "status_600":
+            draft.fail_status = 600
         else:
             draft.drop_after = 0
         sidecar = make_sidecar(engines={"draft": draft_url, "base": base.url}, upstream_connect_timeout_s=0.3)
@@ -336,13 +338,18 @@ def test_failing_speculative_engine_falls_back_to_base(make_sidecar: SidecarFact
     else:
         assert response.json()["choices"][0]["message"]["content"].startswith("tok0")
     assert response.headers["x-specgate-decision"].startswith("engine=draft;")
-    reason = {"refused": "connect_error", "5xx": "upstream_503", "slow_connect": "connect_timeout",
-              "closed_before_answer": "upstream_disconnected"}[fault]
+    reason = {"refused": "connect_error", "5xx": "upstream_503", "status_600": "upstream_disconnected",
+              "slow_connect": "connect_timeout", "closed_before_answer": "upstream_disconnected"}[fault]
     assert response.headers["x-specgate-fallback"] == f"engine=base; reason={reason}"
     assert len(base.requests) == 1
     event = sidecar.exporter.one()
     assert (event.engine, event.decided_engine, event.retries, event.fallback, event.fallback_reason,
             event.status) == ("base", "draft", 1, True, reason, "ok")
+    # the closed sets, as the proxy builds them: valid by the contract the control plane checks
+    assert type(event.status) is EventStatus
+    assert event.fallback_reason is not None
+    assert is_fallback_reason(event.fallback_reason)
+    assert TelemetryEvent.model_validate_json(event.model_dump_json()) == event
     assert event.spec_draft_tokens is None  # the plain engine served it
 
 
@@ -379,6 +386,8 @@ def test_engine_not_configured_uses_the_fallback(make_sidecar: SidecarFactory, b
     event = sidecar.exporter.one()
     assert (event.engine, event.decided_engine, event.fallback, event.fallback_reason, event.retries) == (
         "base", "draft", True, "engine_not_configured", 0)
+    assert event.fallback_reason is FallbackReason.engine_not_configured
+    assert sidecar.app.metrics.fallbacks == {"engine_not_configured": 1}
 
 
 def test_mid_stream_break_is_not_retried(make_sidecar: SidecarFactory, draft: FakeEngine,

@@ -18,10 +18,11 @@ from controlplane.migrations_state import upgrade
 from controlplane.models import Worker
 from policies import BundlePayload, PolicyStore, SigningKey
 from sidecar.settings import SidecarSettings
-from sidecar.sync import PolicySync
+from sidecar.sync import PolicySync, _problem
 from tests.support.factories import seed_policy
 from tests.support.fleet_rows import session_for
 from tests.support.live import WORKER_ID, ControlPlane, free_port
+from wire.problems import problem_bytes
 
 
 def _control_plane(database_url: str) -> ControlPlane:
@@ -387,3 +388,19 @@ def test_a_worker_the_control_plane_forgot_registers_again(control_plane: Contro
 async def _reports(cp: ControlPlane, store: PolicyStore) -> bool:
     worker = await cp.worker()
     return worker is not None and store.current is not None and worker["active_etag"] == store.current.etag
+
+
+def test_control_plane_answers_are_read_as_problems() -> None:
+    wait = _problem(422, problem_bytes(422, "validation", "The request did not validate", "1 field did not validate",
+                                       errors=[{"path": "wait", "in": "query", "code": "out_of_range",
+                                                "message": "Input should be less than or equal to 30"}]))
+    assert (wait.status, str(wait)) == (422, "HTTP 422: 1 field did not validate")
+    assert wait.names("wait")
+    assert not wait.names("worker")
+    assert not wait.worker_not_found
+    gone = _problem(404, problem_bytes(404, "worker-not-found", "Worker not found", "no worker w1"))
+    assert gone.worker_not_found
+    assert not _problem(404, problem_bytes(404, "not-found", "Not found", "no such thing")).worker_not_found
+    proxy = _problem(502, b"<html>bad gateway</html>\n")  # not a problem: its text still says what happened
+    assert str(proxy) == "HTTP 502: <html>bad gateway</html>"
+    assert not proxy.names("wait")

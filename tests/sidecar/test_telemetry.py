@@ -330,6 +330,22 @@ def test_refusals_drop_what_was_refused_and_nothing_else(tmp_path: Path) -> None
     run(scenario())
 
 
+def test_a_split_batch_carries_its_events_as_they_were_encoded(tmp_path: Path) -> None:
+    # A 413 halves a batch without judging its events again: one beyond the contract's limits (an engine that
+    # reported 2**40 prompt tokens) is the control plane's to refuse by its index, not a reason to fail the split.
+    exporter = TelemetryExporter(SidecarSettings(control_plane=f"http://127.0.0.1:{free_port()}", key=KEY,
+                                                 worker_id="w1", state_dir=tmp_path))
+    events = [event(i) for i in range(5)]
+    events[3].prompt_tokens = 2**40
+    halves = exporter._split(exporter._encode(events, "b-whole"))
+    decoded = [json.loads(gzip.decompress(half.body)) for half in halves]
+    assert [(half.batch_id, half.count) for half in halves] == [("b-whole.0", 2), ("b-whole.1", 3)]
+    assert [d["batch_id"] for d in decoded] == ["b-whole.0", "b-whole.1"]
+    assert [e["event_id"] for d in decoded for e in d["events"]] == [e.event_id for e in events]
+    assert decoded[1]["events"][1]["prompt_tokens"] == 2**40
+    assert TelemetryBatch.model_validate(decoded[0]).events == events[:2]
+
+
 def test_memory_over_its_bound_spills_to_the_spool_while_the_control_plane_is_slow(tmp_path: Path) -> None:
     async def scenario() -> None:
         ingest = IngestDouble()

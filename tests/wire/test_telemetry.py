@@ -1,17 +1,32 @@
-"""The event's fast paths: ``TelemetryEvent.trusted`` and ``TelemetryBatch.to_json`` against pydantic's own."""
+"""The event contract: its store limits and closed code sets, and its fast paths (``TelemetryEvent.trusted``,
+``TelemetryBatch.to_json``) against pydantic's own."""
 
 from __future__ import annotations
 
 import copy
 import datetime as dt
 import pickle
+import re
 import zoneinfo
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from wire.telemetry import TelemetryBatch, TelemetryEvent
+from tests.support import paths
+from wire.telemetry import (
+    FALLBACK_REASON_PATTERN,
+    MAX_FLOAT,
+    MAX_INT,
+    EventStatus,
+    FallbackReason,
+    TelemetryBatch,
+    TelemetryEvent,
+    is_fallback_reason,
+    upstream_status_reason,
+)
 
 FIELDS = list(TelemetryEvent.model_fields)
 
@@ -23,7 +38,7 @@ def values(**overrides: Any) -> dict[str, Any]:
         rule="chat-low-batch", engine="draft", decided_engine="draft", speculate=True, num_speculative_tokens=3,
         explored=False, canary=False, kill_switch=False, batch_size=2, stream=False, structured_output=False,
         tools=False, max_tokens=16, shape_prompt_tokens=12, labels='{"team":"a"}', prompt_tokens=12,
-        completion_tokens=16, ttft_ms=None, itl_ms=None, e2e_ms=0.3123456789, status="ok", http_status=200,
+        completion_tokens=16, ttft_ms=None, itl_ms=None, e2e_ms=0.3123456789, status=EventStatus.ok, http_status=200,
         retries=0, fallback=False, fallback_reason=None, structured_valid=None, spec_draft_tokens=20,
         spec_accepted_tokens=13, spec_acceptance_rate=0.65, spec_mean_acceptance_length=2.6, spec_steps=5,
         engine_ttft_ms=1.25, engine_itl_ms=0.5, engine_queue_ms=0.01)
@@ -52,7 +67,8 @@ def test_trusted_builds_what_model_construct_builds() -> None:
 
 def test_to_json_gives_the_bytes_of_model_dump_json() -> None:
     events = [TelemetryEvent.trusted(**values(request_id=f"r-{i}", e2e_ms=0.1 * i)) for i in range(3)]
-    events.append(TelemetryEvent(**values(ttft_ms=1e-7, itl_ms=1e21, model="é €😀 \u2028 \"\\</", labels="{}")))
+    # the largest latency the contract accepts; larger ones (1e21, trusted) are in the property test below
+    events.append(TelemetryEvent(**values(ttft_ms=1e-7, itl_ms=MAX_FLOAT, model="é €😀 \u2028 \"\\</", labels="{}")))
     batch = TelemetryBatch(batch_id="b" * 32, worker_id="w1", events=events)
     assert batch.to_json() == batch.model_dump_json().encode()
     assert TelemetryBatch.model_validate_json(batch.to_json()) == batch
@@ -81,3 +97,88 @@ def test_to_json_agrees_with_pydantic_on_any_value(e2e: float, rate: float | Non
                                             time=when, prompt_tokens=count))
     batch = TelemetryBatch(batch_id="b", worker_id="w1", events=[event])
     assert batch.to_json() == batch.model_dump_json(warnings=False).encode()
+
+
+# --- the contract's limits and closed sets ----------------------------------------------------------------
+
+def refusals(**overrides: Any) -> list[tuple[tuple[int | str, ...], str]]:
+    """Where and why TelemetryEvent refuses the valid event with ``overrides``; [] when it accepts it."""
+    try:
+        TelemetryEvent.model_validate(values(**overrides))
+    except ValidationError as exc:
+        return [(e["loc"], e["type"]) for e in exc.errors()]
+    return []
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("batch_size", 2**31), ("prompt_tokens", 2**31), ("retries", 2**31),
+    ("e2e_ms", float("nan")), ("itl_ms", float("inf")), ("spec_acceptance_rate", float("nan")),
+    ("ttft_ms", 1e13), ("engine_queue_ms", 1e13),
+    ("route", "ch\x00at"), ("model", "\x00"), ("labels", '{"a":"\x00"}'),
+])
+def test_the_store_limits_are_part_of_the_contract(field: str, value: Any) -> None:
+    assert [loc for loc, _ in refusals(**{field: value})] == [(field,)]
+
+
+def test_the_limits_themselves_are_accepted() -> None:
+    assert refusals(batch_size=MAX_INT, prompt_tokens=MAX_INT, e2e_ms=MAX_FLOAT, ttft_ms=MAX_FLOAT,
+                    route="ch\tat", model="é") == []
+
+
+def test_every_field_has_a_store_limit() -> None:
+    """Integers bounded by 2**31 - 1, numbers by 1e12 and finite, strings patterned or enumerated."""
+    schema = TelemetryEvent.model_json_schema()
+    for name, prop in schema["properties"].items():
+        kinds = [v for v in prop.get("anyOf", [prop]) if v.get("type") != "null"]
+        assert len(kinds) == 1, name
+        kind = kinds[0]
+        if kind["type"] == "integer":
+            assert kind["maximum"] <= MAX_INT, name
+        elif kind["type"] == "number":
+            assert kind["maximum"] <= MAX_FLOAT, name
+            assert refusals(**{name: float("inf")}) == [((name,), "finite_number")], name
+        elif kind["type"] == "string" and kind.get("format") != "date-time":
+            assert "pattern" in kind or "enum" in kind, name
+            assert "$ref" not in str(prop), name  # the schema is embedded elsewhere: no references
+        else:
+            assert kind["type"] in ("boolean", "string"), name
+
+
+def test_status_is_one_of_the_event_statuses() -> None:
+    for status in EventStatus:
+        assert refusals(status=status.value) == []
+    assert refusals(status="meh") == [(("status",), "enum")]
+    assert TelemetryEvent.model_validate(values(status="client_disconnect")).status is EventStatus.client_disconnect
+    assert TelemetryEvent.model_json_schema()["properties"]["status"]["enum"] == [s.value for s in EventStatus]
+
+
+def test_fallback_reasons_are_a_closed_set() -> None:
+    upstream = [upstream_status_reason(status) for status in range(500, 600)]
+    assert (upstream[0], upstream[-1]) == ("upstream_500", "upstream_599")
+    for reason in [*FallbackReason, *upstream, None]:
+        assert refusals(fallback=True, fallback_reason=reason) == [], reason
+        assert reason is None or is_fallback_reason(reason)
+    for bad in ("timeout", "upstream_499", "upstream_600", "upstream_5000", "upstream_50", "upstream_", "",
+                "upstream_503\n", "connect_error ", "upstream_५०३"):
+        assert refusals(fallback=True, fallback_reason=bad) == [(("fallback_reason",), "string_pattern_mismatch")], bad
+        assert not is_fallback_reason(bad), bad
+    with pytest.raises(ValueError, match="404"):
+        upstream_status_reason(404)
+    shown = TelemetryEvent.model_json_schema()["properties"]["fallback_reason"]["anyOf"][0]
+    assert shown == {"type": "string", "pattern": FALLBACK_REASON_PATTERN}
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.from_regex(r"upstream_[0-9]{1,4}|[a-z_]{0,24}", fullmatch=True) | st.text(max_size=16))
+def test_the_model_and_is_fallback_reason_agree(text: str) -> None:
+    assert (refusals(fallback_reason=text) == []) == is_fallback_reason(text) == bool(
+        re.fullmatch(r"(engine_not_configured|connect_error|connect_timeout|read_timeout|upstream_disconnected"
+                     r"|upstream_5[0-9]{2})", text, re.ASCII))
+
+
+def test_the_request_path_document_explains_every_status_and_fallback_reason() -> None:
+    text = (paths.ROOT / "docs" / "sidecar-request-path.md").read_text()
+    first_cells = {m for line in text.splitlines() if line.lstrip().startswith("| `")
+                   for m in re.findall(r"`(\w+)`", line.strip().split("|")[1])}
+    assert {s.value for s in EventStatus} <= first_cells
+    assert {r.value for r in FallbackReason} | {"upstream_5NN"} <= first_cells
