@@ -219,6 +219,8 @@ def _validity_drop(spec: Cohort, plain: Cohort, confidence: float) -> tuple[floa
 class _RouteFacts:
     """One route's cells, their verdicts and what the policy does with it now."""
 
+    policy: str
+    revision: str
     route: str
     cells: list[Cell]  # by batch-size bucket
     verdicts: dict[int, tuple[str, RatioEstimate | None]]
@@ -236,14 +238,20 @@ class _RouteFacts:
     def verdict_of(self, bucket: int) -> str:
         return self.verdicts.get(bucket, (INSUFFICIENT, None))[0]
 
+    def recommendation(self, kind: str, title: str, edit: dict[str, Any] | None, confidence: str,
+                       expected_effect: dict[str, Any], evidence: dict[str, Any], message: str) -> Recommendation:
+        """A recommendation for this route, named by the policy, revision, kind, route and edit."""
+        rid = recommendation_id(self.policy, self.revision, kind, self.route, edit)
+        return Recommendation(rid, kind, self.route, title, edit, confidence, expected_effect, evidence, message)
+
     def main_speculative_cell(self) -> Cell | None:
         """The cell with the most speculative requests among those that know their draft length."""
         spec_cells = [c for c in self.cells if c.k]
         return max(spec_cells, key=lambda c: c.speculative.requests) if spec_cells else None
 
 
-def _route_facts(route: str, cells: Sequence[Cell], speculates: Mapping[tuple[str, int], bool],
-                 cfg: RecommendConfig) -> _RouteFacts:
+def _route_facts(policy: str, revision: str, route: str, cells: Sequence[Cell],
+                 speculates: Mapping[tuple[str, int], bool], cfg: RecommendConfig) -> _RouteFacts:
     route_cells = sorted(cells, key=lambda c: c.batch_bucket)
     verdicts = {c.batch_bucket: verdict(c, cfg) for c in route_cells}
     spec_now = {lower: speculates[(route, lower)] for lower in BATCH_BUCKETS}
@@ -251,24 +259,11 @@ def _route_facts(route: str, cells: Sequence[Cell], speculates: Mapping[tuple[st
     for c in route_cells:
         spec_all.add(c.speculative)
     return _RouteFacts(
-        route=route, cells=route_cells, verdicts=verdicts,
+        policy=policy, revision=revision, route=route, cells=route_cells, verdicts=verdicts,
         evidence={"buckets": [cell_report(c, cfg) for c in route_cells]},
         spec_now=spec_now, current=_threshold(spec_now),
         wins=[b for b, (v, _) in verdicts.items() if v == "wins"],
         loses=[b for b, (v, _) in verdicts.items() if v == "loses"], spec_all=spec_all)
-
-
-@dataclass(frozen=True, slots=True)
-class _Proposal:
-    """A recommendation before it is named (its id depends on the policy and revision, not on the route's facts)."""
-
-    kind: str
-    title: str
-    edit: dict[str, Any] | None
-    confidence: str
-    expected_effect: dict[str, Any]
-    evidence: dict[str, Any]
-    message: str
 
 
 def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
@@ -282,16 +277,13 @@ def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
     speculates = _decides_speculation(document, sorted(by_route))
     out: list[Recommendation] = []
     for route in sorted(by_route):
-        facts = _route_facts(route, by_route[route], speculates, cfg)
-        for p in _route_proposals(facts, doc.guardrails.min_acceptance_rate, doc.engines, cfg):
-            rid = recommendation_id(doc.name, revision, p.kind, route, p.edit)
-            out.append(Recommendation(rid, p.kind, route, p.title, p.edit, p.confidence, p.expected_effect,
-                                      p.evidence, p.message))
+        facts = _route_facts(doc.name, revision, route, by_route[route], speculates, cfg)
+        out += _route_recommendations(facts, doc.guardrails.min_acceptance_rate, doc.engines, cfg)
     return out
 
 
-def _route_proposals(facts: _RouteFacts, min_acceptance: float | None, engines: Mapping[str, Engine],
-                     cfg: RecommendConfig) -> list[_Proposal]:
+def _route_recommendations(facts: _RouteFacts, min_acceptance: float | None, engines: Mapping[str, Engine],
+                     cfg: RecommendConfig) -> list[Recommendation]:
     """One route's recommendations, in the order they are listed."""
     # An exclusion or a lowered threshold is the route's only recommendation: the others would tune
     # speculation that the edit stops or narrows.
@@ -301,9 +293,9 @@ def _route_proposals(facts: _RouteFacts, min_acceptance: float | None, engines: 
     lowered = _lower_threshold(facts, cfg)
     if lowered is not None:
         return [lowered]
-    proposals = (_raise_threshold(facts, cfg), _change_k(facts, engines, cfg), _switch_method(facts, cfg),
+    found = (_raise_threshold(facts, cfg), _change_k(facts, engines, cfg), _switch_method(facts, cfg),
                  _quality_risk(facts, cfg))
-    return [p for p in proposals if p is not None]
+    return [r for r in found if r is not None]
 
 
 # --- exclude the route --------------------------------------------------------------------------------
@@ -317,7 +309,7 @@ def _acceptance_upper_bound(spec: Cohort, cfg: RecommendConfig) -> float | None:
     return acceptance + z * math.sqrt(max(acceptance * (1 - acceptance), 1e-4) / spec.spec_reported)
 
 
-def _exclude_route(facts: _RouteFacts, min_acc: float | None, cfg: RecommendConfig) -> _Proposal | None:
+def _exclude_route(facts: _RouteFacts, min_acc: float | None, cfg: RecommendConfig) -> Recommendation | None:
     route, loses, spec_all = facts.route, facts.loses, facts.spec_all
     acceptance = spec_all.acceptance_rate
     acc_high = _acceptance_upper_bound(spec_all, cfg)
@@ -329,7 +321,7 @@ def _exclude_route(facts: _RouteFacts, min_acc: float | None, cfg: RecommendConf
            else f"speculation is slower with confidence in bucket(s) "
                 f"{', '.join(batch_bucket_label(b) for b in loses)} and faster in none")
     ests = [facts.verdicts[b][1] for b in loses]
-    return _Proposal(
+    return facts.recommendation(
         "exclude_route", f"exclude route {route!r} from speculation",
         {"kind": "exclude_route", "route": route}, _confidence(ests, cfg) if loses else "medium",
         {"itl_change": None if not loses else round(1 / (_mean_speedup(facts.cells, set(loses), cfg) or 1), 4),
@@ -342,12 +334,12 @@ def _exclude_route(facts: _RouteFacts, min_acc: float | None, cfg: RecommendConf
 
 # --- batch-size threshold -----------------------------------------------------------------------------
 
-def _threshold_proposal(kind: str, facts: _RouteFacts, current: int, new_max: int, affected: set[int],
-                        ests: Sequence[RatioEstimate | None], cfg: RecommendConfig, message: str) -> _Proposal:
+def _threshold_recommendation(kind: str, facts: _RouteFacts, current: int, new_max: int, affected: set[int],
+                        ests: Sequence[RatioEstimate | None], cfg: RecommendConfig, message: str) -> Recommendation:
     """A new batch threshold for the route; the expected effect is measured on the buckets it moves."""
     sp = _mean_speedup(facts.cells, affected, cfg)
     verb = "lower" if kind == "lower_threshold" else "raise"
-    return _Proposal(
+    return facts.recommendation(
         kind, f"{verb} route {facts.route!r}'s batch threshold to {new_max}",
         {"kind": "set_batch_max", "route": facts.route, "batch_max": new_max}, _confidence(ests, cfg),
         {"batch_max": {"from": current, "to": new_max},
@@ -356,7 +348,7 @@ def _threshold_proposal(kind: str, facts: _RouteFacts, current: int, new_max: in
         facts.evidence, message)
 
 
-def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation | None:
     route, current, spec_now, verdicts = facts.route, facts.current, facts.spec_now, facts.verdicts
     if current is None or not facts.loses:
         return None
@@ -376,7 +368,7 @@ def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | No
     unclear = sorted(b for b in dropped if b < first_loss and b in verdicts)
     ests = [verdicts[b][1] for b in facts.loses if b in dropped]
     loss = verdicts[first_loss][1]
-    return _threshold_proposal(
+    return _threshold_recommendation(
         "lower_threshold", facts, current, new_max, dropped, ests, cfg,
         f"Lower route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
         f"slower with confidence from batch size {batch_bucket_label(first_loss)} "
@@ -400,7 +392,7 @@ def _largest_win_below_any_loss(facts: _RouteFacts) -> int | None:
     return target
 
 
-def _raise_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+def _raise_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation | None:
     route, current, verdicts = facts.route, facts.current, facts.verdicts
     target = _largest_win_below_any_loss(facts)
     if target is None or current is None or bucket_upper(target) <= current:
@@ -410,7 +402,7 @@ def _raise_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | No
         return None
     new_max = bucket_upper(target)
     ests = [verdicts[b][1] for b in added]
-    return _threshold_proposal(
+    return _threshold_recommendation(
         "raise_threshold", facts, current, new_max, added, ests, cfg,
         f"Raise route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
         f"faster with confidence up to batch size {batch_bucket_label(target)} "
@@ -419,7 +411,7 @@ def _raise_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | No
 
 # --- draft length -------------------------------------------------------------------------------------
 
-def _change_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendConfig) -> _Proposal | None:
+def _change_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendConfig) -> Recommendation | None:
     route, spec_all = facts.route, facts.spec_all
     acceptance = spec_all.acceptance_rate
     main = facts.main_speculative_cell()
@@ -439,7 +431,7 @@ def _change_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendC
     else:  # a rule cannot draft more than its engine is configured for
         edit = {"kind": "set_engine_k", "route": route, "engine": main.engine, "k": best}
         where = f"on engine {main.engine!r} (every route it serves; the engine restarts)"
-    return _Proposal(
+    return facts.recommendation(
         "change_k", f"draft {best} tokens instead of {k_now} {where}", edit, "low",
         {"theoretical_speedup": {"from": round(scores[k_now], 4), "to": round(scores[best], 4)},
          "text": "from the Leviathan formula with the measured acceptance; not yet measured"},
@@ -451,7 +443,7 @@ def _change_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendC
 
 # --- method -------------------------------------------------------------------------------------------
 
-def _switch_method(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+def _switch_method(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation | None:
     route = facts.route
     engines: dict[str, Cohort] = defaultdict(Cohort)
     for cell in facts.cells:
@@ -470,7 +462,7 @@ def _switch_method(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None
             continue
         est = welch_ratio(usable[current_engine], m, cfg.confidence)  # current / other
         if est.above_one:
-            return _Proposal(
+            return facts.recommendation(
                 "switch_method", f"switch route {route!r} to engine {other!r}",
                 {"kind": "set_engine", "route": route, "engine": other}, _confidence([est], cfg),
                 {"itl_ratio_current_over_new": _ratio_dict(est)},
@@ -484,7 +476,7 @@ def _switch_method(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None
 
 # --- quality risk -------------------------------------------------------------------------------------
 
-def _quality_risk(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
+def _quality_risk(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation | None:
     route, spec_all = facts.route, facts.spec_all
     plain_all = Cohort()
     for c in facts.cells:
@@ -500,7 +492,7 @@ def _quality_risk(facts: _RouteFacts, cfg: RecommendConfig) -> _Proposal | None:
         risks.append(f"structured-output validity is {validity[0]:.3f} lower on the speculative path")
     if not risks:
         return None
-    return _Proposal(
+    return facts.recommendation(
         "quality_risk", f"quality risk on route {route!r}", None, "medium",
         {"text": "speculation may trade quality for latency here; investigate before widening it"},
         {"retry_rate": {"speculative": spec_all.retry_rate, "plain": plain_all.retry_rate,

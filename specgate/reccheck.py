@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
+from apiclient import ApiClient, ApiError, calls
 from specgate import stack as devstack
 from testbed import reccheck
 from testbed.reccheck import (
@@ -68,15 +69,12 @@ def record_live(out: Path, *, say: Callable[[str], None], schedule: str = LIVE_S
     stack = devstack.Stack(data_dir=work, say=say)
     try:
         _wait(lambda: httpx.get(f"{api}/readyz", timeout=1).status_code == 200, 30, "the control plane")
-        headers = {"Authorization": f"Bearer {admin}"}
         say(f"starting engines {', '.join(variants)} (already running: {', '.join(sorted(already)) or 'none'})")
         urls = engines.start(variants, engine_port, quiet=False)
         say(f"engines healthy: {', '.join(f'{n} {u}' for n, u in urls.items())}")
-        with httpx.Client(base_url=api, headers=headers, timeout=30) as client:
-            client.post("/v1/policies", json={"name": "recommend-check", "pool": POOL}).raise_for_status()
-            client.post("/v1/policies/recommend-check/revisions", content=CHECK_POLICY.encode(),
-                        headers={"Content-Type": "application/yaml"},
-                        params={"message": "recommend-check"}).raise_for_status()
+        with ApiClient(api, admin, timeout_s=30) as client:
+            client.send(calls.create_policy("recommend-check", pool=POOL))
+            client.send(calls.create_revision("recommend-check", CHECK_POLICY, message="recommend-check"))
         listen = f"127.0.0.1:{sidecar_port}"
         sidecar = stack.add(devstack.spawn("sidecar", devstack.sidecar_command(
             api_url=api, worker_key=worker, engine_urls=urls, listen=listen, pool=POOL,
@@ -103,11 +101,8 @@ def record_live(out: Path, *, say: Callable[[str], None], schedule: str = LIVE_S
                 f"{overall['speculated_share']:.0%} speculated")
         say("traffic done; stopping the sidecar (it flushes its telemetry)")
         sidecar.stop(30)
-        with httpx.Client(base_url=api, headers=headers, timeout=60) as client:
-            answer = client.get("/v1/analysis/cells", params={"policy": "recommend-check",
-                                                              "from": started.isoformat()})
-            answer.raise_for_status()
-            cells = answer.json()
+        with ApiClient(api, admin, timeout_s=60) as client:
+            cells = client.send(calls.cells("recommend-check", since=started)).json
         machine = {"cpus": os.cpu_count(), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                    "python": sys.version.split()[0]}
         data = {"recorded_at": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "schedule": schedule,
@@ -164,7 +159,7 @@ def recommend_check_cmd(
             record_live(cells_file, say=say, schedule=schedule)
         sweep_data, cells = reccheck.load_json(sweep_file), reccheck.load_json(cells_file)
         result = reccheck.run_check(sweep_data, cells, RecommendConfig(min_samples=min_samples))
-    except (OSError, ValueError, KeyError, RuntimeError, TimeoutError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, TimeoutError, ApiError) as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from exc
     text = reccheck.report(result, sweep_path=sweep_file, cells_path=cells_file, meta=cells)

@@ -29,6 +29,8 @@ import typer
 import uvicorn
 import yaml
 
+from apiclient import ApiClient, ApiError, calls
+from apiclient.models import Policy
 from controlplane.app import create_app
 from controlplane.auth.local import mint_keys
 from controlplane.auth.schemas import Scope
@@ -57,19 +59,24 @@ def _say(line: str) -> None:
     typer.echo(f"[{time.strftime('%H:%M:%S')}] {line}")
 
 
+def _policy_or_none(api: ApiClient, name: str) -> Policy | None:
+    try:
+        return api.send(calls.policy(name)).data
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        return None
+
+
 def _load_examples(base_url: str, token: str) -> list[str]:
     loaded = []
-    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+    with ApiClient(base_url, token, timeout_s=30) as api:
         for filename, pool in EXAMPLE_POLICIES:
             text = (EXAMPLES / filename).read_text()
             name = yaml.safe_load(text)["name"]
-            found = client.get(f"/v1/policies/{name}")
-            if found.status_code == 404:
-                client.post("/v1/policies", json={"name": name, "pool": pool}).raise_for_status()
-                response = client.post(f"/v1/policies/{name}/revisions", content=text.encode(),
-                                       headers={"Content-Type": "application/yaml"},
-                                       params={"message": f"example {filename}"})
-                response.raise_for_status()
+            if _policy_or_none(api, name) is None:
+                api.send(calls.create_policy(name, pool=pool))
+                api.send(calls.create_revision(name, text, message=f"example {filename}"))
             loaded.append(f"{name} (pool {pool or 'any'})")
     return loaded
 
@@ -78,27 +85,18 @@ def _load_testbed_policy(base_url: str, token: str, engines: list[str]) -> str:
     """The testbed policy, fitted to the running engines, made the active revision of pool ``testbed``."""
     document = devstack.fit_policy(yaml.safe_load((EXAMPLES / TESTBED_POLICY).read_text()), engines)
     name = document["name"]
-    body = yaml.safe_dump(document, sort_keys=False).encode()
-    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
-        found = client.get(f"/v1/policies/{name}")
-        headers = {"Content-Type": "application/yaml"}
-        if found.status_code == 404:
-            client.post("/v1/policies", json={"name": name, "pool": devstack.TESTBED_POOL,
-                                              "description": document.get("description")}).raise_for_status()
-        else:
-            found.raise_for_status()
-            head = found.json().get("head_revision_id")
-            if head:
-                headers["If-Match"] = f'"{head}"'
-        created = client.post(f"/v1/policies/{name}/revisions", content=body, headers=headers,
-                              params={"message": f"{TESTBED_POLICY} for engines {', '.join(engines)}"})
-        created.raise_for_status()
-        revision = created.json()["id"]
-        active = client.get(f"/v1/policies/{name}").json().get("active_revision_id")
-        if active != revision:  # a later revision is a draft until activated: this one is what runs now
-            client.post(f"/v1/policies/{name}/rollback",
-                        json={"revision": revision, "reason": f"specgate up: engines {', '.join(engines)}"},
-                        ).raise_for_status()
+    with ApiClient(base_url, token, timeout_s=30) as api:
+        found = _policy_or_none(api, name)
+        if found is None:
+            api.send(calls.create_policy(name, pool=devstack.TESTBED_POOL, description=document.get("description")))
+        head = found.head_revision_id if found is not None else None
+        revision = api.send(calls.create_revision(
+            name, yaml.safe_dump(document, sort_keys=False),
+            message=f"{TESTBED_POLICY} for engines {', '.join(engines)}",
+            if_match=f'"{head}"' if head else None)).data.id
+        if api.send(calls.policy(name)).data.active_revision_id != revision:
+            # a later revision is a draft until activated: this one is what runs now
+            api.send(calls.rollback(name, revision, reason=f"specgate up: engines {', '.join(engines)}"))
     return f"{name} (pool {devstack.TESTBED_POOL}, engines {', '.join(engines)})"
 
 
@@ -195,7 +193,7 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
             _watch(thread, stack)
         except KeyboardInterrupt:
             typer.echo("stopping...")
-        except (devstack.StartupError, RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+        except (devstack.StartupError, RuntimeError, TimeoutError, OSError, httpx.HTTPError, ApiError) as exc:
             typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
             typer.echo("stopping what was started...")
             exit_code = 1
