@@ -163,6 +163,10 @@ class ApiKey(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     last_used_at: Mapped[dt.datetime | None] = mapped_column()
     revoked_at: Mapped[dt.datetime | None] = mapped_column()
+    # What a worker key may act as: workers of this pool and/or these worker ids. Both null on a worker key
+    # means it was created before keys were bound; it binds itself to the first worker it registers.
+    pool: Mapped[str | None] = mapped_column(String(128))
+    worker_ids: Mapped[list[str] | None] = mapped_column(JSON)
 
 
 class AuditEvent(Base):
@@ -197,6 +201,11 @@ class FleetState(Base):
     kill_switch_changed_by: Mapped[str | None] = mapped_column(String(128))
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
     signing_key: Mapped[str | None] = mapped_column(Text)
+    # The key being rotated out: bundles are signed by both while sidecars move to the new one.
+    previous_signing_key: Mapped[str | None] = mapped_column(Text)
+    # Server-side secret that salts exploration and canary cohorts, so a client cannot pick its cohort
+    # by choosing its request id.
+    cohort_secret: Mapped[str | None] = mapped_column(String(64))
 
 
 # --- telemetry (controlplane/telemetry) ---------------------------------------------------------
