@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from policies import FieldError
+from policies.validate import find_oversized_ints, format_path, parse_int
 from wire.problems import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA, ProblemCode, problem, problem_code
 
 
@@ -113,6 +115,37 @@ class PreconditionRequired(SpecgateError):
     status, type_slug, title = 428, "precondition-required", "If-Match is required"
 
 
+def parse_json_body(body: bytes | str) -> Any:
+    """A JSON request body, or a 422 naming what is wrong with it: never an exception that would become a 500.
+
+    Python refuses integers of more digits than ``sys.get_int_max_str_digits()`` and nesting deeper than its
+    recursion limit, with errors that say neither where nor what; here the first is named by its path and the
+    second said as such.
+    """
+    try:
+        data = json.loads(body, parse_int=parse_int)
+    except json.JSONDecodeError as exc:
+        raise ValidationFailed(f"the body is not valid JSON: {exc.msg}", errors=[{
+            "path": "body", "in": "body", "code": ProblemCode.invalid_json,
+            "message": f"{exc.msg} at line {exc.lineno}, column {exc.colno}",
+            "line": exc.lineno, "column": exc.colno}]) from None
+    except RecursionError:
+        raise ValidationFailed("the body nests too deeply", errors=[{
+            "path": "body", "in": "body", "code": ProblemCode.invalid_json,
+            "message": "the body nests deeper than the JSON parser allows"}]) from None
+    except ValueError:  # UnicodeDecodeError among them
+        raise ValidationFailed("the body is not valid JSON", errors=[{
+            "path": "body", "in": "body", "code": ProblemCode.invalid_json,
+            "message": "the body is not UTF-8 JSON"}]) from None
+    oversized = find_oversized_ints(data)
+    if oversized:
+        n = len(oversized)
+        raise ValidationFailed(f"{n} field{'s' if n != 1 else ''} did not validate", errors=[
+            {"path": format_path(loc) or "body", "in": "body", "code": ProblemCode.out_of_range,
+             "message": value.message()} for loc, value in oversized])
+    return data
+
+
 def _loc_to_path(loc: Sequence[Any]) -> str:
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header"):
@@ -164,7 +197,17 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if _unreadable_body(exc):
-            # The same answer as for malformed JSON, and as POST .../revisions gives for these bodies.
+            # FastAPI's reading failed without saying where or why; reading the body again (the request keeps
+            # it) does, as POST .../revisions says for the bodies it reads itself.
+            try:
+                body = await request.body()
+            except Exception:  # the stream could not be read again: the general answer below still holds
+                body = None
+            try:
+                if body is not None:
+                    parse_json_body(body)
+            except ValidationFailed as failed:
+                return render(request, failed)
             return render(request, ValidationFailed("the body is not valid JSON", errors=[{
                 "path": "body", "in": "body", "code": ProblemCode.invalid_json,
                 "message": "not UTF-8 JSON, or nested too deeply"}]))

@@ -54,6 +54,7 @@ class ErrorCode(StrEnum):
     not_speculative_engine = "not_speculative_engine"
     duplicate_rule_name = "duplicate_rule_name"
     shadowed_rule = "shadowed_rule"
+    too_complex = "too_complex"
     # a safeguard: a document that did not validate without any more precise error being found
     invalid = "invalid"
 

@@ -8,12 +8,27 @@ Two readings of the same document:
   route (the predicate almost every rule has) into one generated function per
   route, so a request only looks at the rules that could apply to it, and
   every possible Decision is built once, up front: deciding allocates nothing.
+
+A rule without a route applies to every route. Copying such rules into every
+route's function gives the fastest code, but costs routes x rules to compile
+(a 46 KB document once took 35 s and 2.4 GiB), so they are copied only while
+the copies stay within :data:`INLINE_BUDGET`. Beyond it they are compiled once,
+shared by all routes: the prefix before any routed rule runs ahead of the
+dispatch, and the rest is one function that every route asks, at most once
+per decision, which of them matches first. Either way the generated code is
+linear in the document; validation bounds what a document may ask for
+(``policies.validate.MAX_COMPILED_TESTS``, counted by :func:`compiled_tests`).
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import heapq
+import hmac
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from policies.model import PlainEngine, PolicyDocument, Range, Rule, Then, When, engine_k
@@ -23,8 +38,19 @@ KILL_SWITCH_RULE = "kill-switch"
 DEFAULT_RULE = "default"
 
 
-def exploration_salt(policy_name: str) -> str:
-    return f"explore:{policy_name}"
+def exploration_salt(policy_name: str, cohort_secret: str = "") -> str:
+    """The salt of a policy's exploration split.
+
+    Without a secret it is public, ``"explore:" + policy_name``, as the shared vectors pin. Anyone who knows
+    the policy name can then compute which request ids are explored and pick a cohort by choosing an id. With
+    a secret it is the hex HMAC-SHA256, keyed by the secret, of that same string: stable for as long as the
+    secret is, and unpredictable without it.
+    """
+    public = f"explore:{policy_name}"
+    if not cohort_secret:
+        return public
+    key = cohort_secret.encode("utf-8", errors="surrogatepass")
+    return hmac.new(key, public.encode("utf-8", errors="surrogatepass"), hashlib.sha256).hexdigest()
 
 
 def exploration_key(shape: RequestShape, window_s: float | None) -> str | None:
@@ -92,7 +118,8 @@ def matches(when: When, shape: RequestShape) -> bool:
     return True
 
 
-def interpret(doc: PolicyDocument, shape: RequestShape, revision: str = "") -> Decision:
+def interpret(doc: PolicyDocument, shape: RequestShape, revision: str = "", *,
+              cohort_secret: str = "") -> Decision:
     decision = _decision_for(doc, doc.default, DEFAULT_RULE, revision)
     for rule in doc.rules:
         if matches(rule.when, shape):
@@ -101,7 +128,7 @@ def interpret(doc: PolicyDocument, shape: RequestShape, revision: str = "") -> D
     rate = doc.exploration.rate
     key = exploration_key(shape, doc.exploration.window_s)
     if rate > 0 and key is not None:
-        if sticky_fraction(key, exploration_salt(doc.name)) < rate:
+        if sticky_fraction(key, exploration_salt(doc.name, cohort_secret)) < rate:
             alternative = _explored_alternative(doc, decision)
             if alternative is not None:
                 return alternative
@@ -110,20 +137,54 @@ def interpret(doc: PolicyDocument, shape: RequestShape, revision: str = "") -> D
 
 # --- the compiler ----------------------------------------------------------------
 
+# Route-less rules are copied into every route's function while the copies (in tests, as compiled_tests counts
+# them) stay at or under this: about 50 ms of compiling. bench/policies/fifty_rules.yaml needs 288, and so
+# decides with exactly the code it had before sharing existed.
+INLINE_BUDGET = 4096
+
+
+# What one route adds besides its rules (its function, the loads at its top, its default, its entry in the
+# dispatch table), in tests: measured, a route costs about as much to compile as two tests.
+ROUTE_COST = 2
+
+
+def compiled_tests(rule: Rule) -> int:
+    """What one rule costs the compiled form: its line and its tests, once per route it names (once with none).
+
+    The route itself is never tested: it picks the function the rule is compiled into.
+    """
+    routes = len(set(rule.when.route)) if rule.when.route is not None else 1
+    return (1 + rule.when.test_count()) * routes
+
+
+def compiled_size(rules: Iterable[Rule]) -> int:
+    """What rules cost the compiled form, in tests: theirs (:func:`compiled_tests`) and their routes'.
+
+    Route-less rules count once: past :data:`INLINE_BUDGET` they are compiled once, not per route.
+    """
+    routes: set[str] = set()
+    total = 0
+    for rule in rules:
+        total += compiled_tests(rule)
+        routes.update(rule.when.route or ())
+    return total + ROUTE_COST * len(routes)
+
+
 class CompiledPolicy:
     """A document compiled into one decision function; immutable once built."""
 
     __slots__ = ("document", "revision", "name", "decide", "kill_switch_decision",
                  "fallback_engine", "_source")
 
-    def __init__(self, document: PolicyDocument, revision: str) -> None:
+    def __init__(self, document: PolicyDocument, revision: str, *, cohort_secret: str = "") -> None:
         self.document = document
         self.revision = revision
         self.name = document.name
         self.fallback_engine = document.resolved_plain_engine
         self.kill_switch_decision = Decision(self.fallback_engine, False, 0, KILL_SWITCH_RULE,
                                              document.name, revision)
-        fn, source = _build(document, revision)
+        # The secret is used for the salt and not kept: nothing reachable from the object can reveal it.
+        fn, source = _build(document, revision, exploration_salt(document.name, cohort_secret))
         self.decide: Callable[[RequestShape], Decision] = fn
         self._source = source
 
@@ -131,8 +192,8 @@ class CompiledPolicy:
         return f"CompiledPolicy(name={self.name!r}, revision={self.revision[:12]!r})"
 
 
-def compile_policy(document: PolicyDocument, revision: str = "") -> CompiledPolicy:
-    return CompiledPolicy(document, revision)
+def compile_policy(document: PolicyDocument, revision: str = "", *, cohort_secret: str = "") -> CompiledPolicy:
+    return CompiledPolicy(document, revision, cohort_secret=cohort_secret)
 
 
 class _Emitter:
@@ -147,7 +208,7 @@ class _Emitter:
         return name
 
 
-def _range_test(em: _Emitter, var: str, r: Range, may_be_none: bool) -> str:
+def _range_test(var: str, r: Range, may_be_none: bool) -> str:
     parts = []
     if may_be_none:
         parts.append(f"{var} is not None")
@@ -160,23 +221,20 @@ def _range_test(em: _Emitter, var: str, r: Range, may_be_none: bool) -> str:
     return " and ".join(parts)
 
 
-def _condition(em: _Emitter, when: When, used: set[str], route_known: bool) -> str:
+def _condition(em: _Emitter, when: When, used: set[str]) -> str:
     tests: list[str] = []
-    if when.route is not None and not route_known:
-        used.add("route")
-        tests.append(f"route in {em.const(frozenset(when.route))}")
     if when.model is not None:
         used.add("model")
         tests.append(f"model in {em.const(frozenset(when.model))}")
     if when.batch_size is not None:
         used.add("batch_size")
-        tests.append(_range_test(em, "batch_size", when.batch_size, False))
+        tests.append(_range_test("batch_size", when.batch_size, False))
     if when.max_tokens is not None:
         used.add("max_tokens")
-        tests.append(_range_test(em, "max_tokens", when.max_tokens, True))
+        tests.append(_range_test("max_tokens", when.max_tokens, True))
     if when.prompt_tokens is not None:
         used.add("prompt_tokens")
-        tests.append(_range_test(em, "prompt_tokens", when.prompt_tokens, False))
+        tests.append(_range_test("prompt_tokens", when.prompt_tokens, False))
     for flag in ("structured_output", "tools", "stream"):
         wanted = getattr(when, flag)
         if wanted is not None:
@@ -192,36 +250,39 @@ def _condition(em: _Emitter, when: When, used: set[str], route_known: bool) -> s
     return " and ".join(f"({t})" for t in tests) if tests else "True"
 
 
-def _function_source(em: _Emitter, fname: str, rules: list[tuple[Rule, Decision, Decision | None]],
-                     default: tuple[Decision, Decision | None], rate: float, salt: str,
-                     route_known: bool) -> str:
-    used: set[str] = set()
-    body: list[str] = []
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One rule as generated code, made once however many functions it goes into."""
 
-    def outcome(decision: Decision, alternative: Decision | None) -> str:
-        d = em.const(decision)
-        if alternative is None or rate <= 0:
-            return f"return {d}"
-        return f"return _explore({d}, {em.const(alternative)}, s)"
-
-    for rule, decision, alternative in rules:
-        cond = _condition(em, rule.when, used, route_known)
-        if cond == "True":
-            body.append(f"    {outcome(decision, alternative)}")
-            break  # everything after an unconditional rule is unreachable here
-        body.append(f"    if {cond}:")
-        body.append(f"        {outcome(decision, alternative)}")
-    else:
-        body.append(f"    {outcome(*default)}")
-    loads = [f"    {attr} = s.{attr}" for attr in sorted(used)]
-    return "\n".join([f"def {fname}(s):", *loads, *body])
+    position: int
+    routes: tuple[str, ...] | None  # distinct, in document order; None: every route
+    condition: str  # "True" when it always holds
+    used: frozenset[str]  # the shape's attributes the condition reads
+    outcome: str  # the expression the function returns when it holds
+    tests: int  # compiled_tests of the rule
 
 
-def _build(doc: PolicyDocument, revision: str) -> tuple[Callable[[RequestShape], Decision], str]:
+def _chain(pieces: Iterable[_Piece], lines: list[str], used: set[str]) -> bool:
+    """Appends first-match-wins tests, and the attributes they read to ``used``; True when one always holds,
+    so that nothing after it can run (nor load attributes)."""
+    for piece in pieces:
+        used |= piece.used
+        if piece.condition == "True":
+            lines.append(f"    return {piece.outcome}")
+            return True
+        lines.append(f"    if {piece.condition}:")
+        lines.append(f"        return {piece.outcome}")
+    return False
+
+
+def _function(name: str, used: Iterable[str], lines: list[str]) -> str:
+    loads = [f"    {attr} = s.{attr}" for attr in sorted(set(used))]
+    return "\n".join([f"def {name}(s):", *loads, *lines])
+
+
+def _build(doc: PolicyDocument, revision: str, salt: str) -> tuple[Callable[[RequestShape], Decision], str]:
     em = _Emitter()
     rate = doc.exploration.rate
-    salt = exploration_salt(doc.name)
-
     window_s = doc.exploration.window_s
 
     # Two closures rather than one over exploration_key: the request-id split runs on every request of most
@@ -239,38 +300,130 @@ def _build(doc: PolicyDocument, revision: str) -> tuple[Callable[[RequestShape],
         return decision
 
     em.namespace["_explore"] = explore if window_s is None else explore_window
-    compiled_rules: list[tuple[Rule, Decision, Decision | None]] = []
-    for rule in doc.rules:
-        decision = _decision_for(doc, rule.then, rule.name, revision)
-        compiled_rules.append((rule, decision, _explored_alternative(doc, decision)))
-    default_decision = _decision_for(doc, doc.default, DEFAULT_RULE, revision)
-    default = (default_decision, _explored_alternative(doc, default_decision))
 
-    routes: list[str] = []
-    for rule in doc.rules:
-        for route in rule.when.route or ():
-            if route not in routes:
-                routes.append(route)
+    def outcome(decision: Decision, alternative: Decision | None) -> str:
+        d = em.const(decision)
+        if alternative is None or rate <= 0:
+            return d
+        return f"_explore({d}, {em.const(alternative)}, s)"
+
+    pieces: list[_Piece] = []
+    decisions: list[tuple[Decision, Decision | None]] = []
+    for position, rule in enumerate(doc.rules):
+        decision = _decision_for(doc, rule.then, rule.name, revision)
+        alternative = _explored_alternative(doc, decision)
+        reads: set[str] = set()
+        condition = _condition(em, rule.when, reads)
+        routes = tuple(dict.fromkeys(rule.when.route)) if rule.when.route is not None else None
+        pieces.append(_Piece(position, routes, condition, frozenset(reads), outcome(decision, alternative),
+                             compiled_tests(rule)))
+        decisions.append((decision, alternative))
+    default_decision = _decision_for(doc, doc.default, DEFAULT_RULE, revision)
+    default = outcome(default_decision, _explored_alternative(doc, default_decision))
+
+    # Each route's own rules, in document order, built in one pass so that the work is the (rule, route) pairs
+    # the document names and not rules x routes.
+    routed: dict[str, list[_Piece]] = {}
+    for piece in pieces:
+        for route in piece.routes or ():
+            routed.setdefault(route, []).append(piece)
+    free = [p for p in pieces if p.routes is None]
+    fnames = {route: f"_route_{i}" for i, route in enumerate(routed)}
 
     sources: list[str] = []
-    by_route: dict[str, str] = {}
-    for i, route in enumerate(routes):
-        applicable = [r for r in compiled_rules if r[0].when.route is None or route in r[0].when.route]
-        fname = f"_route_{i}"
-        sources.append(_function_source(em, fname, applicable, default, rate, salt, route_known=True))
-        by_route[route] = fname
-    unlisted = [r for r in compiled_rules if r[0].when.route is None]
-    sources.append(_function_source(em, "_other_routes", unlisted, default, rate, salt, route_known=True))
+    head: list[str] = []
+    head_used: set[str] = set()
+    done = False
+    if (len(routed) + 1) * sum(p.tests for p in free) <= INLINE_BUDGET:
+        _inline_free_rules(free, routed, fnames, default, sources)
+    else:
+        done = _shared_free_rules(em, pieces, free, decisions, routed, fnames, default, rate, sources, head,
+                                  head_used)
 
-    table = ", ".join(f"{em.const(route)}: {fname}" for route, fname in by_route.items())
-    sources.append(
-        f"_by_route = {{{table}}}\n"
-        "_get = _by_route.get\n"
-        "def decide(s):\n"
-        "    return _get(s.route, _other_routes)(s)"
-    )
+    table = ", ".join(f"{em.const(route)}: {fname}" for route, fname in fnames.items())
+    if not done:
+        head.append("    return _get(s.route, _other_routes)(s)")
+    sources.append(f"_by_route = {{{table}}}\n_get = _by_route.get\n" + _function("decide", head_used, head))
     source = "\n\n".join(sources)
     namespace = em.namespace
     exec(compile(source, f"<policy {doc.name} {revision[:12]}>", "exec"), namespace)  # noqa: S102
     fn: Callable[[RequestShape], Decision] = namespace["decide"]
     return fn, source
+
+
+def _inline_free_rules(free: list[_Piece], routed: dict[str, list[_Piece]], fnames: dict[str, str],
+                       default: str, sources: list[str]) -> None:
+    """Every route's function holds its own rules and the route-less ones, merged in document order."""
+    for route, own in routed.items():
+        lines: list[str] = []
+        used: set[str] = set()
+        if not _chain(heapq.merge(own, free, key=lambda p: p.position), lines, used):
+            lines.append(f"    return {default}")
+        sources.append(_function(fnames[route], used, lines))
+    lines = []
+    used = set()
+    if not _chain(free, lines, used):
+        lines.append(f"    return {default}")
+    sources.append(_function("_other_routes", used, lines))
+
+
+def _shared_free_rules(em: _Emitter, pieces: list[_Piece], free: list[_Piece],
+                       decisions: list[tuple[Decision, Decision | None]], routed: dict[str, list[_Piece]],
+                       fnames: dict[str, str], default: str, rate: float, sources: list[str],
+                       head: list[str], head_used: set[str]) -> bool:
+    """Route-less rules compiled once. Appends to ``head`` what ``decide`` runs before its dispatch (and to
+    ``head_used`` what that reads); True when that always returns.
+
+    Those before the first routed rule come first for every route, so ``decide`` tests them itself. The others
+    are ``_free(s)``: the index (among them) of the first that holds, or their count. A route's function calls
+    it once, where the first of them comes before one of its own rules, and from then on compares the index
+    with the number of them that come before each of its rules.
+    """
+    first_routed = min((p.position for p in pieces if p.routes is not None), default=len(pieces))
+    prefix = [p for p in free if p.position < first_routed]
+    rest = [p for p in free if p.position > first_routed]
+    positions = [p.position for p in rest]
+
+    lines: list[str] = []
+    used: set[str] = set()
+    for i, piece in enumerate(rest):
+        used |= piece.used
+        if piece.condition == "True":
+            lines.append(f"    return {i}")
+            break
+        lines.append(f"    if {piece.condition}:")
+        lines.append(f"        return {i}")
+    else:
+        lines.append(f"    return {len(rest)}")
+    sources.append(_function("_free", used, lines))
+    chosen = [decisions[p.position] for p in rest]
+    em.namespace["_fd"] = tuple(d for d, _ in chosen)
+    # A rule without an alternative explores to itself: the same decision, whichever way the split goes.
+    em.namespace["_fa"] = tuple(a if a is not None else d for d, a in chosen)
+    explored = rate > 0 and any(a is not None for _, a in chosen)
+    free_outcome = "_explore(_fd[i], _fa[i], s)" if explored else "_fd[i]"
+
+    def route_function(name: str, own: list[_Piece]) -> str:
+        body: list[str] = []
+        used: set[str] = set()
+        ruled_out = 0  # how many of `rest` an earlier test has already found not to hold
+        asked = False
+        for piece in [*own, None]:
+            before = bisect.bisect_left(positions, piece.position) if piece is not None else len(rest)
+            if before > ruled_out:
+                if not asked:
+                    body.append("    i = _free(s)")
+                    asked = True
+                body.append(f"    if i < {before}:")
+                body.append(f"        return {free_outcome}")
+                ruled_out = before
+            if piece is None:
+                body.append(f"    return {default}")
+            elif _chain([piece], body, used):
+                break
+        return _function(name, used, body)
+
+    for route, own in routed.items():
+        sources.append(route_function(fnames[route], own))
+    sources.append(route_function("_other_routes", []))
+    return _chain(prefix, head, head_used)

@@ -109,6 +109,16 @@ class When(_Strict):
             return {}
         return {k: frozenset(v) for k, v in self.labels.items()}
 
+    def test_count(self) -> int:
+        """The tests a compiled rule makes for these predicates: one per predicate and per label, none for the
+        route (which chooses the function a rule is compiled into)."""
+        given = sum(getattr(self, name) is not None for name in _NON_ROUTE_PREDICATES)
+        return given + len(self.labels or {})
+
+
+_NON_ROUTE_PREDICATES = ("model", "batch_size", "max_tokens", "prompt_tokens", "structured_output", "tools",
+                         "stream")
+
 
 class Then(_Strict):
     engine: Identifier

@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -20,6 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from policies.errors import ErrorCode, FieldError, PolicyValidationError
+from policies.evaluate import ROUTE_COST, compiled_size, compiled_tests
 from policies.model import (
     API_VERSION,
     ENGINE_METHODS,
@@ -38,6 +40,11 @@ from policies.model import (
 )
 
 MAX_DOCUMENT_BYTES = 256 * 1024
+# The most a document may cost its compiled form (policies.evaluate.compiled_size): a rule's line and tests,
+# once per route it names, and each route's function. At the limit compiling took 0.15-0.27 s and 50-90 MiB
+# of peak RSS on a 2-core AMD EPYC (tests/policies/test_compile_bounds.py counts, never times, it);
+# bench/policies/fifty_rules.yaml costs 190.
+MAX_COMPILED_TESTS = 20_000
 
 _ENGINE_ADAPTER: TypeAdapter[Any] = TypeAdapter(Engine)
 _RULE_ADAPTER: TypeAdapter[Rule] = TypeAdapter(Rule)
@@ -146,10 +153,70 @@ class _DuplicateJsonKey(ValueError):
         self.key = key
 
 
+class OversizedInt:
+    """Stands for an integer with more digits than Python reads (``sys.get_int_max_str_digits``): ``int()``
+    refuses it with an error that says nothing of where it is, so readers put this in its place and
+    :func:`find_oversized_ints` names the place."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+    def message(self) -> str:
+        return f"an integer of {self.digits} digits is out of range"
+
+
+def parse_int(text: str) -> int | OversizedInt:
+    """``json.loads(..., parse_int=parse_int)``: an integer, or an :class:`OversizedInt` where int() refuses."""
+    try:
+        return int(text)
+    except ValueError:
+        return OversizedInt(sum(c.isdigit() for c in text))
+
+
+def find_oversized_ints(data: Any) -> list[tuple[tuple[str | int, ...], OversizedInt]]:
+    """Where :func:`parse_int` (or the YAML reader of this module) put an :class:`OversizedInt`, in order.
+
+    One used as a mapping key is renamed to its repr (a mapping's keys must be strings to be reported) and
+    reported at that key. Walks without recursion: the data may nest as deep as its parser allowed.
+    """
+    found: list[tuple[tuple[str | int, ...], OversizedInt]] = []
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, OversizedInt):
+            found.append((loc, value))
+        elif isinstance(value, dict):
+            for key in [k for k in value if isinstance(k, OversizedInt)]:
+                value[repr(key)] = value.pop(key)
+                found.append(((*loc, repr(key)), key))
+            stack.extend(((*loc, k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend(((*loc, i), v) for i, v in reversed(list(enumerate(value))))
+    return found
+
+
+class _PolicyLoader(yaml.SafeLoader):
+    """SafeLoader, except that an integer too long for int() is an :class:`OversizedInt`, not an error."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            return OversizedInt(sum(c.isdigit() for c in str(node.value)))
+
+
+_PolicyLoader.add_constructor("tag:yaml.org,2002:int", _PolicyLoader.construct_yaml_int)
+
+
 def _parse_json(decoded: str) -> tuple[Any, _LineIndex]:
     """Strict JSON, read as JSON: YAML 1.1 would read 1e-05 as a string and refuse tabs."""
     try:
-        data = json.loads(decoded, object_pairs_hook=_reject_duplicate_json_keys)
+        data = json.loads(decoded, object_pairs_hook=_reject_duplicate_json_keys, parse_int=parse_int)
     except _DuplicateJsonKey as exc:
         raise PolicyValidationError([FieldError(
             "", ErrorCode.duplicate_key, f"key '{exc.key}' appears more than once in one JSON object")]) from None
@@ -212,7 +279,7 @@ def parse_text(text: str | bytes, *, max_bytes: int = MAX_DOCUMENT_BYTES) -> tup
         _index_yaml(node, (), index, errors, set())
         if errors:
             raise PolicyValidationError(errors)
-        data = yaml.safe_load(decoded)
+        data = yaml.load(decoded, Loader=_PolicyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
@@ -377,6 +444,10 @@ def _describe(value: Any) -> str:
         return f"string '{value}'" if len(value) < 60 else "a long string"
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"
+    if isinstance(value, int) and not -10**40 < value < 10**40:
+        return f"an integer of {len(str(abs(value)))} digits"
+    if isinstance(value, OversizedInt):
+        return repr(value)
     if isinstance(value, (int, float)):
         return f"number {value}"
     if value is None:
@@ -388,28 +459,57 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _covers(earlier: When, later: When) -> bool:
-    """True when every request that ``later`` matches is matched by ``earlier``."""
-    for field in ("route", "model"):
-        mine = getattr(earlier, field)
-        if mine is not None:
-            theirs = getattr(later, field)
-            if theirs is None or not set(theirs) <= set(mine):
-                return False
-    for field in ("batch_size", "max_tokens", "prompt_tokens"):
-        mine_range = getattr(earlier, field)
-        if mine_range is not None:
-            theirs_range = getattr(later, field)
-            if theirs_range is None or not mine_range.covers(theirs_range):
-                return False
-    for field in ("structured_output", "tools", "stream"):
-        mine_flag = getattr(earlier, field)
-        if mine_flag is not None and getattr(later, field) != mine_flag:
-            return False
-    mine_labels = earlier.label_sets()
-    theirs_labels = later.label_sets()
-    for key, allowed in mine_labels.items():
-        if key not in theirs_labels or not theirs_labels[key] <= allowed:
+_UNBOUNDED = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """A rule's predicates as the shadowing check compares them, made once per rule instead of once per pair.
+
+    The three ranges are bounds with a missing one at -inf or +inf and a missing range as (-inf, +inf): one
+    range covers another exactly when its low is at most the other's and its high at least.
+    """
+
+    route: frozenset[str] | None
+    model: frozenset[str] | None
+    lows: tuple[float, float, float]  # batch_size, max_tokens, prompt_tokens
+    highs: tuple[float, float, float]
+    flags: tuple[bool | None, bool | None, bool | None]  # structured_output, tools, stream
+    labels: dict[str, frozenset[str]]
+
+    @classmethod
+    def of(cls, when: When) -> _Facts:
+        ranges = (when.batch_size, when.max_tokens, when.prompt_tokens)
+        lows = tuple(-_UNBOUNDED if r is None or r.min is None else r.min for r in ranges)
+        highs = tuple(_UNBOUNDED if r is None or r.max is None else r.max for r in ranges)
+        return cls(
+            frozenset(when.route) if when.route is not None else None,
+            frozenset(when.model) if when.model is not None else None,
+            (lows[0], lows[1], lows[2]), (highs[0], highs[1], highs[2]),
+            (when.structured_output, when.tools, when.stream),
+            when.label_sets(),
+        )
+
+
+def _covers(earlier: _Facts, later: _Facts) -> bool:
+    """True when every request that ``later`` matches is matched by ``earlier``.
+
+    Written out rather than looped: it runs for many pairs of rules, and the ranges usually decide it.
+    """
+    el, ll, eh, lh = earlier.lows, later.lows, earlier.highs, later.highs
+    if el[0] > ll[0] or el[1] > ll[1] or el[2] > ll[2] or eh[0] < lh[0] or eh[1] < lh[1] or eh[2] < lh[2]:
+        return False
+    ef, lf = earlier.flags, later.flags
+    if ((ef[0] is not None and ef[0] != lf[0]) or (ef[1] is not None and ef[1] != lf[1])
+            or (ef[2] is not None and ef[2] != lf[2])):
+        return False
+    if earlier.route is not None and (later.route is None or not later.route <= earlier.route):
+        return False
+    if earlier.model is not None and (later.model is None or not later.model <= earlier.model):
+        return False
+    for key, allowed in earlier.labels.items():
+        theirs = later.labels.get(key)
+        if theirs is None or not theirs <= allowed:
             return False
     return True
 
@@ -427,6 +527,7 @@ def _semantic_errors(raw: Mapping[str, Any]) -> list[FieldError]:
     errors += rule_errors
     errors += _then_errors("default", raw.get("default"), engines)
     errors += _shadowed_rules(valid_rules)
+    errors += _compiled_size_errors(valid_rules)
     if engines is not None:
         errors += _exploration_errors(raw.get("exploration"), engines)
     return errors
@@ -518,20 +619,70 @@ def _rule_errors(rules: Any, engines: Mapping[str, Any] | None) -> tuple[list[Fi
     return errors, valid_rules
 
 
+# An earlier rule as the shadowing check keeps it: its index in the document, the rule, its facts.
+_Earlier = tuple[int, Rule, _Facts]
+
+
 def _shadowed_rules(valid_rules: list[tuple[int, Rule]]) -> list[FieldError]:
-    """A rule that an earlier one covers never matches: almost always a mistake in the order."""
+    """A rule that an earlier one covers never matches: almost always a mistake in the order.
+
+    Comparing every pair would cost rules squared, so each rule is compared only with the earlier rules that
+    could cover it. Those are indexed by one predicate each, one that a rule they cover must share: a label (it
+    must have that key, with values among theirs), else a route (it must name only routes among theirs), else
+    nothing (they are compared with every later rule).
+    """
     errors: list[FieldError] = []
-    for j, (later_index, later) in enumerate(valid_rules):
-        for earlier_index, earlier in valid_rules[:j]:
-            if _covers(earlier.when, later.when):
-                errors.append(FieldError(
-                    f"rules[{later_index}]", ErrorCode.shadowed_rule,
-                    f"rule '{later.name}' (rules[{later_index}]) can never match: "
-                    f"rules[{earlier_index}] ('{earlier.name}') comes first and matches every "
-                    "request it would match",
-                ))
-                break
+    everywhere: list[_Earlier] = []
+    by_label: dict[tuple[str, str], list[_Earlier]] = {}
+    by_route: dict[str, list[_Earlier]] = {}
+    for later_index, later in valid_rules:
+        facts = _Facts.of(later.when)
+        routes = facts.route
+        candidates = [everywhere]
+        candidates += [by_label.get((key, min(values)), []) for key, values in facts.labels.items()]
+        if routes:
+            candidates.append(by_route.get(min(routes), []))
+        first: _Earlier | None = None
+        for earlier_rules in candidates:
+            for earlier in earlier_rules:
+                if first is not None and earlier[0] > first[0]:
+                    break
+                if _covers(earlier[2], facts):
+                    first = earlier
+                    break
+        if first is not None:
+            earlier_index, earlier_rule, _ = first
+            errors.append(FieldError(
+                f"rules[{later_index}]", ErrorCode.shadowed_rule,
+                f"rule '{later.name}' (rules[{later_index}]) can never match: "
+                f"rules[{earlier_index}] ('{earlier_rule.name}') comes first and matches every "
+                "request it would match",
+            ))
+        entry = (later_index, later, facts)
+        if facts.labels:
+            key = min(facts.labels)
+            for value in facts.labels[key]:
+                by_label.setdefault((key, value), []).append(entry)
+        elif routes is not None:
+            for route in routes:
+                by_route.setdefault(route, []).append(entry)
+        else:
+            everywhere.append(entry)
     return errors
+
+
+def _compiled_size_errors(valid_rules: list[tuple[int, Rule]]) -> list[FieldError]:
+    """Rules x routes: every rule is compiled into the function of each route it names, so the two multiply."""
+    total = compiled_size(rule for _, rule in valid_rules)
+    if total <= MAX_COMPILED_TESTS:
+        return []
+    biggest, where = max((compiled_tests(rule), i) for i, rule in valid_rules)
+    routes = len({route for _, rule in valid_rules for route in rule.when.route or ()})
+    return [FieldError("rules", ErrorCode.too_complex,
+                       f"the rules cost {total} tests once compiled, over the limit of {MAX_COMPILED_TESTS}: a "
+                       "rule costs 1, plus 1 per predicate and per label key (the route aside), for every route "
+                       f"it names, and each of the {routes} routes {ROUTE_COST} more. rules[{where}] costs the "
+                       f"most ({biggest}). Name fewer routes per rule, or split the policy")]
 
 
 def _exploration_errors(exploration: Any, engines: Mapping[str, Any]) -> list[FieldError]:
@@ -609,4 +760,15 @@ def _parse_path(path: str) -> tuple[str | int, ...]:
 def load_policy(text: str | bytes, *, max_bytes: int = MAX_DOCUMENT_BYTES) -> PolicyDocument:
     """Parse and validate a YAML or JSON policy document."""
     raw, index = parse_text(text, max_bytes=max_bytes)
-    return validate_data(raw, _index=index)
+    oversized = [FieldError(format_path(loc), ErrorCode.out_of_range, value.message(), *index.locate(loc))
+                 for loc, value in find_oversized_ints(raw)]
+    if not oversized:
+        return validate_data(raw, _index=index)
+    # The rest of the document is judged too; where such a number sits its own error replaces the type error
+    # the models give an object that is not an int.
+    at = {e.path for e in oversized}
+    try:
+        validate_data(raw, _index=index)
+    except PolicyValidationError as exc:
+        oversized += [e for e in exc.errors if not (e.path in at and e.code is ErrorCode.wrong_type)]
+    raise PolicyValidationError(oversized)

@@ -64,6 +64,7 @@ class ProblemCode(StrEnum):
     not_speculative_engine = "not_speculative_engine"
     duplicate_rule_name = "duplicate_rule_name"
     shadowed_rule = "shadowed_rule"
+    too_complex = "too_complex"
     invalid = "invalid"
     # the body as a whole
     invalid_json = "invalid_json"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -20,6 +19,7 @@ from controlplane.errors import (
     PreconditionFailed,
     UnsupportedMediaType,
     ValidationFailed,
+    parse_json_body,
     problem_response,
 )
 from controlplane.models import Policy, Revision
@@ -205,17 +205,7 @@ def _submission(request: Request, body: bytes, message: str) -> service.Submissi
         return service.Submission(text=body, message=message)
     if media != JSON_TYPE:
         raise _unsupported(media, (*YAML_TYPES, JSON_TYPE))
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as exc:
-        raise ValidationFailed(f"the body is not valid JSON: {exc.msg}", errors=[{
-            "path": "body", "in": "body", "code": "invalid_json",
-            "message": f"{exc.msg} at line {exc.lineno}, column {exc.colno}",
-            "line": exc.lineno, "column": exc.colno}]) from None
-    except (ValueError, RecursionError):
-        raise ValidationFailed("the body is not valid JSON", errors=[{
-            "path": "body", "in": "body", "code": "invalid_json",
-            "message": "not UTF-8 JSON, or nested too deeply"}]) from None
+    data = parse_json_body(body)
     try:
         payload = RevisionCreate.model_validate(data)
     except ValidationError as exc:

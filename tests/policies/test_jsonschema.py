@@ -8,8 +8,9 @@ Which error codes a schema can express was decided once, here:
   must fail the schema.
 - SEMANTIC: a relation between values (a name that must be defined elsewhere in the document or be of the
   right kind, one number compared with another, names unique across a list, counting plain engines, one rule
-  covering another). JSON Schema has no way to refer from one value to another, so a document refused only
-  for these must pass the schema: the schema never refuses what the library would accept.
+  covering another, what the rules cost once compiled). JSON Schema has no way to refer from one value to
+  another, so a document refused only for these must pass the schema: the schema never refuses what the
+  library would accept.
 - TEXT: about the bytes, not the data (encoding, size, YAML syntax and duplicate keys): a schema sees the
   parsed document only.
 
@@ -45,6 +46,7 @@ STRUCTURAL = frozenset({
 SEMANTIC = frozenset({
     "inverted_range", "undefined_engine", "no_plain_engine", "ambiguous_plain_engine", "not_plain_engine",
     "not_speculative_engine", "plain_engine_k", "k_above_engine", "duplicate_rule_name", "shadowed_rule",
+    "too_complex",
 })
 TEXT = frozenset({"yaml_syntax", "duplicate_key", "document_too_large", "empty_document", "invalid_encoding"})
 

@@ -3,21 +3,35 @@
 ``interpret`` reads like the specification; ``compile_policy`` partitions the
 rules by route and generates code. On any valid document and any request
 shape they must return the same Decision, field for field (engine, draft
-length, rule, exploration).
+length, rule, exploration), with and without a cohort secret, and with the
+route-less rules copied into every route's function or compiled once and
+shared (the two ways ``policies.evaluate`` generates code).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import math
 import random
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from policies import PolicyDocument, RequestShape, compile_policy, interpret, validate_data
+from policies import (
+    CompiledPolicy,
+    PolicyDocument,
+    RequestShape,
+    compile_policy,
+    evaluate,
+    interpret,
+    sticky_fraction,
+    validate_data,
+)
 from tests.support.policy_strategies import (
     present_request_ids,
     raw_documents,
@@ -32,10 +46,18 @@ property_settings = settings(max_examples=300, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 
-def _assert_agree(doc: PolicyDocument, shape_list: list[RequestShape]) -> None:
-    compiled = compile_policy(doc, REVISION)
+# "" (the public salt the vectors pin) or a secret; the same secret must give both readings the same split.
+cohort_secrets = st.sampled_from(["", "cohort-secret-1"]) | st.text(min_size=1, max_size=12)
+# Copy the route-less rules into every route's function (the default for documents this size), or never.
+inline_budgets = st.sampled_from([evaluate.INLINE_BUDGET, 0])
+
+
+def _assert_agree(doc: PolicyDocument, shape_list: list[RequestShape], secret: str = "",
+                  budget: int = evaluate.INLINE_BUDGET) -> None:
+    with mock.patch.object(evaluate, "INLINE_BUDGET", budget):
+        compiled = compile_policy(doc, REVISION, cohort_secret=secret)
     for shape in shape_list:
-        expected = interpret(doc, shape, REVISION)
+        expected = interpret(doc, shape, REVISION, cohort_secret=secret)
         got = compiled.decide(shape)
         assert got == expected, (
             f"compiled and interpreted decisions differ for {shape}\n"
@@ -46,30 +68,37 @@ def _assert_agree(doc: PolicyDocument, shape_list: list[RequestShape]) -> None:
 
 
 @property_settings
-@given(raw=raw_documents(), shape_list=st.lists(shapes, min_size=1, max_size=25))
-def test_compiled_agrees_with_interpreter(raw: dict[str, Any], shape_list: list[RequestShape]) -> None:
+@given(raw=raw_documents(), shape_list=st.lists(shapes, min_size=1, max_size=25), secret=cohort_secrets,
+       budget=inline_budgets)
+def test_compiled_agrees_with_interpreter(raw: dict[str, Any], shape_list: list[RequestShape], secret: str,
+                                         budget: int) -> None:
     doc = validate_generated(raw)
-    _assert_agree(doc, shape_list + witness_shapes(doc))
+    _assert_agree(doc, shape_list + witness_shapes(doc), secret, budget)
 
 
 @property_settings
 @given(
     raw=raw_documents(route_modes=st.booleans(), min_rules=2, max_rules=8),
     shape_list=st.lists(shapes, min_size=1, max_size=25),
+    secret=cohort_secrets,
+    budget=inline_budgets,
 )
 def test_compiled_agrees_with_routed_and_unrouted_rules_mixed(
-    raw: dict[str, Any], shape_list: list[RequestShape]
+    raw: dict[str, Any], shape_list: list[RequestShape], secret: str, budget: int
 ) -> None:
     # Rules with a route go into that route's function; rules without one go
     # into every route's function *and* the fallback function, in document
-    # order. A mix of both is where the partitioning could reorder rules.
+    # order, or (budget 0) into one shared function each route asks. A mix of
+    # both is where the partitioning could reorder rules.
     doc = validate_generated(raw)
     routed = sum(r.when.route is not None for r in doc.rules)
     event(f"routed={routed > 0} unrouted={routed < len(doc.rules)}")
-    _assert_agree(doc, shape_list + witness_shapes(doc))
+    event(f"budget={budget}")
+    _assert_agree(doc, shape_list + witness_shapes(doc), secret, budget)
 
 
-def test_unrouted_rule_between_routed_rules_keeps_its_place() -> None:
+@pytest.mark.parametrize("budget", [evaluate.INLINE_BUDGET, 0])
+def test_unrouted_rule_between_routed_rules_keeps_its_place(budget: int) -> None:
     # A hand-written case of the partitioning hazard: the unrouted rule must
     # still win over the later routed rule for a chat request, and lose to
     # the earlier one.
@@ -85,7 +114,8 @@ def test_unrouted_rule_between_routed_rules_keeps_its_place() -> None:
         ],
         "default": {"engine": "base"},
     })
-    compiled = compile_policy(doc, REVISION)
+    with mock.patch.object(evaluate, "INLINE_BUDGET", budget):
+        compiled = compile_policy(doc, REVISION)
     cases = [
         (RequestShape(route="chat", batch_size=1, stream=True), "chat-small"),
         (RequestShape(route="chat", batch_size=3, stream=True), "any-stream"),
@@ -108,18 +138,19 @@ def test_unrouted_rule_between_routed_rules_keeps_its_place() -> None:
     first=shapes,
     second=shapes,
     request_id=present_request_ids,
+    secret=cohort_secrets,
 )
 def test_exploration_depends_only_on_request_id(raw: dict[str, Any], first: RequestShape,
-                                                second: RequestShape, request_id: str) -> None:
+                                                second: RequestShape, request_id: str, secret: str) -> None:
     doc = validate_generated(raw)
-    compiled = compile_policy(doc, REVISION)
+    compiled = compile_policy(doc, REVISION, cohort_secret=secret)
     first = dataclasses.replace(first, request_id=request_id)
     second = dataclasses.replace(second, request_id=request_id)
     a = compiled.decide(first)
     # The same request, decided again (a retry, a replay), is decided the same way.
     assert compiled.decide(first) == a
-    assert compile_policy(doc, REVISION).decide(first) == a
-    assert interpret(doc, first, REVISION) == a
+    assert compile_policy(doc, REVISION, cohort_secret=secret).decide(first) == a
+    assert interpret(doc, first, REVISION, cohort_secret=secret) == a
     # A different request with the same id explores the same way: with
     # exploration on, every decision has an alternative, so `explored` is a
     # function of the request id alone.
@@ -214,6 +245,43 @@ def test_explored_share_matches_rate(rate: float, route: str) -> None:
                         decision.rule) == ("draft", True, 3, "default")
     sigma = math.sqrt(n * rate * (1 - rate))
     assert abs(explored - n * rate) <= 5 * sigma, (explored, n * rate, sigma)
+
+
+def _explored_ids(secret: str, ids: list[str], via: str = "compiled") -> frozenset[str]:
+    doc = _exploring_doc(0.2)
+    if via == "compiled":
+        decide = compile_policy(doc, REVISION, cohort_secret=secret).decide
+    else:
+        def decide(shape: RequestShape) -> Any:
+            return interpret(doc, shape, REVISION, cohort_secret=secret)
+    return frozenset(i for i in ids if decide(RequestShape(route="chat", request_id=i)).explored)
+
+
+def test_a_cohort_secret_changes_which_ids_are_explored_and_keeps_it_stable() -> None:
+    ids = [f"req-{i}" for i in range(4000)]
+    public = _explored_ids("", ids)
+    salted = _explored_ids("s3cret", ids)
+    # Anyone can compute the public split from the policy name; the salted one is another, independent split
+    # (two independent 20 % splits share about 4 % of the ids, not 20 %).
+    assert public == frozenset(i for i in ids if sticky_fraction(i, "explore:explore") < 0.2)
+    assert salted != public
+    assert len(salted & public) < 0.5 * len(public)
+    assert abs(len(salted) - 0.2 * len(ids)) <= 5 * math.sqrt(len(ids) * 0.2 * 0.8)
+    # The same secret gives the same split in another process (a sidecar restart, another replica) ...
+    assert _explored_ids("s3cret", ids) == salted
+    assert _explored_ids("s3cret", ids, via="interpreted") == salted
+    # ... another secret another one.
+    assert _explored_ids("other", ids) != salted
+
+
+def test_the_salt_with_a_secret_is_the_hmac_of_the_public_salt() -> None:
+    assert evaluate.exploration_salt("fleet") == "explore:fleet"
+    assert evaluate.exploration_salt("fleet", "") == "explore:fleet"
+    expected = hmac.new(b"k", b"explore:fleet", hashlib.sha256).hexdigest()
+    assert evaluate.exploration_salt("fleet", "k") == expected
+    compiled = compile_policy(_exploring_doc(0.2), REVISION, cohort_secret="k")
+    # Only the salt derived from it is kept, so nothing the compiled policy holds gives the secret away.
+    assert all(getattr(compiled, name) != "k" for name in CompiledPolicy.__slots__)
 
 
 def test_explored_share_is_zero_at_rate_zero() -> None:

@@ -567,3 +567,55 @@ def test_only_the_name_pattern_makes_invalid_name() -> None:
     errors = errors_of(VALID.replace("name: chat", "name: -chat"))
     assert [(e.path, e.code) for e in errors] == [("rules[0].name", "invalid_name")]
     assert pydantic_error_code({"type": "string_pattern_mismatch", "ctx": {"pattern": "^x$"}}) == "invalid_format"
+
+
+# --- integers longer than Python reads -------------------------------------------------------------------
+
+_HUGE = "9" * (sys.get_int_max_str_digits() + 700)
+_HUGE_YAML = textwrap.dedent("""\
+    apiVersion: specgate/v1
+    name: p
+    engines:
+      base: {method: none}
+    rules:
+      - name: r
+        when:
+          batch_size: {max: HUGE}
+          stream: "yes"
+        then: {engine: base}
+    default: {engine: base}
+    """).replace("HUGE", _HUGE)
+
+
+@pytest.mark.parametrize("text", [_HUGE_YAML, json.dumps(yaml.safe_load(_HUGE_YAML.replace(_HUGE, "1")),
+                                                         indent=1).replace('"max": 1', f'"max": {_HUGE}')],
+                         ids=["yaml", "json"])
+def test_an_integer_too_long_to_read_is_out_of_range_at_its_line_with_the_other_errors(text: str) -> None:
+    # int() refuses it with a ValueError that names no place; before, that escaped load_policy.
+    with pytest.raises(PolicyValidationError) as info:
+        load_policy(text)
+    errors = {(e.path, e.code): e for e in info.value.errors}
+    assert set(errors) == {("rules[0].when.batch_size.max", "out_of_range"), ("rules[0].when.stream", "wrong_type")}
+    huge = errors[("rules[0].when.batch_size.max", "out_of_range")]
+    assert huge.line == text.splitlines().index(next(line for line in text.splitlines() if _HUGE in line)) + 1
+    assert f"{len(_HUGE)} digits" in huge.message
+    assert len(huge.message) < 100
+
+
+def test_an_integer_too_long_to_read_as_a_key_is_reported_at_the_key() -> None:
+    text = _HUGE_YAML.replace("stream: \"yes\"", f"labels:\n          ? {_HUGE}\n          : x")
+    with pytest.raises(PolicyValidationError) as info:
+        load_policy(text)
+    assert {(e.path, e.code) for e in info.value.errors} == {
+        ("rules[0].when.batch_size.max", "out_of_range"),
+        (f'rules[0].when.labels["<an integer of {len(_HUGE)} digits>"]', "out_of_range")}
+
+
+def test_a_long_integer_that_can_be_read_is_described_by_its_length() -> None:
+    text = _HUGE_YAML.replace(_HUGE, "-" + "9" * 4000).replace("stream: \"yes\"", "stream: true")
+    with pytest.raises(PolicyValidationError) as info:
+        load_policy(text)
+    [error] = info.value.errors
+    assert (error.path, error.code) == ("rules[0].when.batch_size.max", "out_of_range")
+    assert "4000 digits" in error.message
+    assert len(error.message) < 200

@@ -51,6 +51,7 @@ KNOWN_CODES = frozenset(
         "k_above_engine",
         "duplicate_rule_name",
         "shadowed_rule",
+        "too_complex",
         # text
         "yaml_syntax",
         "duplicate_key",
