@@ -26,7 +26,7 @@ import aiohttp
 
 from policies import PolicyStore
 from sidecar.otel import OTelRuntime, otel_from_env
-from sidecar.server import MAX_BODY_BYTES, HttpServer
+from sidecar.server import MAX_BODY_BYTES, HttpServer, ServerLimits
 from sidecar.settings import SidecarSettings
 from sidecar.sync import PolicySync, sidecar_version
 from sidecar.telemetry import TelemetryExporter
@@ -96,7 +96,8 @@ async def serve(settings: SidecarSettings, *, app_factory: AppFactory | None = N
     sidecar = Sidecar(settings, app_factory=app_factory)
     await sidecar.start()
     host, _, port = sidecar.settings.listen.rpartition(":")
-    server = HttpServer(sidecar.app, max_body_bytes=getattr(sidecar.app, "max_body_bytes", MAX_BODY_BYTES))
+    server = HttpServer(sidecar.app, max_body_bytes=getattr(sidecar.app, "max_body_bytes", MAX_BODY_BYTES),
+                        limits=ServerLimits.from_settings(sidecar.settings))
     stop = asyncio.Event()
     try:
         await server.start(host.strip("[]"), int(port))

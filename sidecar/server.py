@@ -10,8 +10,17 @@ needs and no more:
   upgrades (WebSocket, h2c: 400), no TLS (the sidecar listens beside its
   engines; put a TLS terminator in front if clients come from afar);
 * a request's body is read whole before the app runs, at most
-  ``max_body_bytes`` (else 413 problem+json and the connection closes); an
+  ``max_body_bytes`` (else 413 problem+json, sent as soon as the limit is
+  passed, and the connection closes); an
   ``Expect: 100-continue`` is answered at once;
+* limits against clients that hold a connection or memory (:class:`ServerLimits`):
+  a request's header block (request line and headers) is at most
+  ``max_header_bytes`` and ``max_header_count`` lines (else 431), must arrive
+  within ``header_timeout_s`` of its first byte and its body within
+  ``body_timeout_s`` of the headers (else 408); while a request is being
+  answered, reading stops once ``max_buffered_bytes`` (or 16 requests) are
+  buffered behind it; after any refusal the server stops sending and drops
+  what the client still sends for up to 2 s, then closes;
 * ASGI 3 ``http`` scopes: the first ``receive()`` gives the whole body, the
   next one waits for the client to disconnect (or the response to end);
   responses without ``content-length`` go out chunked; ``HEAD`` answers carry
@@ -39,13 +48,17 @@ import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
 import httptools
 
 from sidecar.support import wake
 from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
+
+if TYPE_CHECKING:
+    from sidecar.settings import SidecarSettings
 
 log = logging.getLogger("specgate.sidecar.server")
 
@@ -54,7 +67,13 @@ Message = MutableMapping[str, Any]
 App = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_COUNT = 128
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 60.0
+MAX_BUFFERED_BYTES = 1024 * 1024
 _MAX_PIPELINED = 16  # requests queued behind the one being answered before reading pauses
+_LINGER_S = 2.0  # how long a refused client may go on sending before the connection closes
 _DISCONNECT: Message = {"type": "http.disconnect"}
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _NO_BODY_STATUS = frozenset({204, 304})
@@ -79,6 +98,23 @@ class _Date:
 
 
 _date = _Date()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one client may hold: bytes of a request's head, time to send it, bytes read ahead (module docs)."""
+
+    max_header_bytes: int = MAX_HEADER_BYTES
+    max_header_count: int = MAX_HEADER_COUNT
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_buffered_bytes: int = MAX_BUFFERED_BYTES
+
+    @classmethod
+    def from_settings(cls, settings: SidecarSettings) -> ServerLimits:
+        return cls(max_header_bytes=settings.max_header_bytes, max_header_count=settings.max_header_count,
+                   header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                   max_buffered_bytes=settings.max_buffered_bytes)
 
 
 def _problem(status: int, slug: str, title: str, detail: str) -> bytes:
@@ -193,6 +229,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
+        self.limits = server.limits
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -200,16 +237,24 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.size = 0
-        self.too_large = False
         self.cycle: _Cycle | None = None
         self.pending: deque[_Cycle] = deque()
+        self.pending_bytes = 0  # bodies of the requests in ``pending``
         self.closing = False
         self.rejected = False
+        self.refusal = b""  # a refusal waiting for the answer in progress (and those queued before it) to end
+        self.linger_until = 0.0  # a refusal was sent: what still comes is read and dropped until then, then close
         self.upgrade = False
         self.read_paused = False
         self.write_paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
         self.idle_since = self.loop.time()
+        self.in_head = False
+        self.head_fresh = False
+        self.head_more = 0  # bytes read for the current head after the read it began in
+        self.reading = 0  # bytes of the read being parsed
+        self.head_first = 0  # bytes of the read the current head began in
+        self.deadline = 0.0  # when the current request's head (or body) must be in; 0: no request coming in
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
 
@@ -231,18 +276,32 @@ class _Connection(asyncio.Protocol):
         if self.cycle is not None:
             self.cycle.lost()
         self.pending.clear()
+        self.pending_bytes = 0
         waiter, self.drain_waiter = self.drain_waiter, None
         wake(waiter)
 
     def data_received(self, data: bytes) -> None:
+        if self.rejected:  # refused: nothing more is parsed, what still comes is dropped (see _send_refusal)
+            return
         if self.cycle is None:  # a request coming in slowly is not idle; one stalled keepalive_s is
             self.idle_since = self.loop.time()
+        self.reading = len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.reject(400, "bad-request", "Bad request", "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             self.reject(400, "bad-request", "Bad request", f"malformed HTTP request: {exc}")
+        if self.in_head and not self.rejected:
+            # httptools keeps a header until it is complete, so a huge one must be cut off while it arrives.
+            # The read a head began in may also hold the end of the request before it: counting only the reads
+            # after it never counts a byte of another request, and bounds what is held to one read more.
+            if self.head_fresh:
+                self.head_fresh = False
+            else:
+                self.head_more += len(data)
+                if self.head_more > self.limits.max_header_bytes:
+                    self._too_many_header_bytes(None)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -263,45 +322,70 @@ class _Connection(asyncio.Protocol):
         self.headers = []
         self.chunks = []
         self.size = 0
-        self.too_large = False
+        self.in_head = True
+        self.head_fresh = True
+        self.head_more = 0
+        self.head_first = self.reading
+        self.deadline = self.loop.time() + self.limits.header_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= self.limits.max_header_count:
+            if not self.rejected:
+                self.reject(431, "header-fields-too-large", "Request header fields too large",
+                            f"the request has more than {self.limits.max_header_count} header lines")
+            return
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
+        if self.rejected:
+            return
+        self.deadline = self.loop.time() + self.limits.body_timeout_s
+        # A head that fits in the reads it came in fits the limit: only a longer one is measured, as sent but
+        # for optional whitespace around values ("METHOD URL HTTP/x.y", "name: value").
+        limit = self.limits.max_header_bytes
+        most = self.reading if self.head_fresh else self.head_first + self.head_more + self.reading
+        if most > limit and (
+                len(self.url) + 15 + sum(len(name) + len(value) + 4 for name, value in self.headers) > limit):
+            largest = max(self.headers, key=lambda header: len(header[0]) + len(header[1]), default=None)
+            self._too_many_header_bytes(largest[0] if largest is not None else None)
+            return
         self.upgrade = self.parser.should_upgrade()
         limit = self.server.max_body_bytes
+        expect = False
         for name, value in self.headers:
             if name == b"content-length":
                 with contextlib.suppress(ValueError):
                     if int(value) > limit:
-                        self.too_large = True
-            elif name == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
-                if not self.too_large:
-                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                        self._too_large()  # now, not once the body is in: the client need not send it
+                        return
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect = True
+        if expect and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        if self.too_large:
+        if self.rejected:
             return
         self.size += len(body)
         if self.size > self.server.max_body_bytes:
-            self.too_large = True
             self.chunks = []
-        else:
-            self.chunks.append(body)
+            self._too_large()
+            return
+        self.chunks.append(body)
+        if (self.cycle is not None and not self.read_paused
+                and self.pending_bytes + self.size > self.limits.max_buffered_bytes):
+            self._pause_reading()
 
     def on_message_complete(self) -> None:
+        self.deadline = 0.0
         if self.transport is None or self.closing:
             return
         if self.upgrade:  # WebSocket, h2c: httptools would hand over the raw stream, which nothing here speaks
             self.reject(400, "bad-request", "Bad request", "protocol upgrades are not supported")
-            return
-        if self.too_large:
-            limit = self.server.max_body_bytes
-            self.reject(413, "too-large", "Request body too large", f"the request body exceeds {limit} bytes")
             return
         parser = self.parser
         parsed = httptools.parse_url(self.url)
@@ -319,13 +403,54 @@ class _Connection(asyncio.Protocol):
         }
         cycle = _Cycle(self, scope, body, parser.should_keep_alive() and not self.server.stopping)
         scope["extensions"] = {"specgate.disconnect": cycle}
+        self.chunks = []
+        self.size = 0
         if self.cycle is None:
             self.run(cycle)
         else:
             self.pending.append(cycle)
-            if len(self.pending) >= _MAX_PIPELINED and not self.read_paused and self.transport is not None:
-                self.read_paused = True
-                self.transport.pause_reading()
+            self.pending_bytes += len(body)
+            if not self.read_paused and (len(self.pending) >= _MAX_PIPELINED
+                                         or self.pending_bytes > self.limits.max_buffered_bytes):
+                self._pause_reading()
+
+    def _too_many_header_bytes(self, largest: bytes | None) -> None:
+        limit = self.limits.max_header_bytes
+        detail = f"the request's header block (request line and headers) exceeds {limit} bytes"
+        if largest is not None:
+            detail += f"; its largest header is {largest.decode('latin-1')!r}"
+        self.reject(431, "header-fields-too-large", "Request header fields too large", detail)
+
+    def _too_large(self) -> None:
+        limit = self.server.max_body_bytes
+        self.reject(413, "too-large", "Request body too large", f"the request body exceeds {limit} bytes")
+
+    # --- flow control -----------------------------------------------------------------
+    def _pause_reading(self) -> None:
+        if not self.read_paused and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self.read_paused and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+            if self.deadline:  # the client could not send while reading was paused: its clock starts again
+                timeout = self.limits.header_timeout_s if self.in_head else self.limits.body_timeout_s
+                self.deadline = self.loop.time() + timeout
+
+    def expire(self, now: float) -> None:
+        """On every sweep: a refused connection stops lingering, a request too slow to arrive gets 408."""
+        if self.linger_until:
+            if now > self.linger_until and self.transport is not None:
+                self.transport.close()
+        elif self.deadline and now > self.deadline and not self.read_paused and not self.rejected:
+            if self.in_head:
+                what, limit = "header block", self.limits.header_timeout_s
+            else:
+                what, limit = "body", self.limits.body_timeout_s
+            self.reject(408, "request-timeout", "Request timeout",
+                        f"the request's {what} did not arrive within {limit:g} s")
 
     # --- running the app ----------------------------------------------------------------
     def run(self, cycle: _Cycle) -> None:
@@ -335,33 +460,67 @@ class _Connection(asyncio.Protocol):
         task.add_done_callback(self.server.tasks.discard)
 
     def finished(self, cycle: _Cycle) -> None:
-        """The response is complete: the next pipelined request, or close, or wait idle."""
+        """The response is complete: the next pipelined request, or a refusal, or close, or wait idle."""
         if cycle is not self.cycle:
             return
         self.cycle = None
         self.idle_since = self.loop.time()
         if self.transport is None:
             return
-        if not cycle.keep_alive or self.closing:
+        if not cycle.keep_alive:
             self.transport.close()
             return
         if self.pending:
-            self.run(self.pending.popleft())
-            if self.read_paused and len(self.pending) < _MAX_PIPELINED // 2:
-                self.read_paused = False
-                self.transport.resume_reading()
+            nxt = self.pending.popleft()
+            self.pending_bytes -= len(nxt.body)
+            self.run(nxt)
+            if (self.read_paused and not self.rejected and len(self.pending) < _MAX_PIPELINED // 2
+                    and self.pending_bytes + self.size <= self.limits.max_buffered_bytes):
+                self._resume_reading()
+            return
+        if self.refusal:
+            self._send_refusal()
+        elif self.closing:
+            self.transport.close()
+        elif self.read_paused:
+            self._resume_reading()
 
     def reject(self, status: int, slug: str, title: str, detail: str) -> None:
-        """Answers a request the app never sees, then closes the connection."""
+        """Answers a request the app never sees, after the answers to the requests before it, then closes."""
         if self.rejected:
             return
         self.rejected = True
         self.closing = True
+        self.deadline = 0.0
+        self.refusal = _problem(status, slug, title, detail)
+        if self.transport is None:
+            return
+        if self.cycle is None:
+            self._send_refusal()
+        else:  # the answer in progress must not be interleaved: this one waits its turn, and reading stops
+            self._pause_reading()
+
+    def _send_refusal(self) -> None:
+        """Writes the refusal and ends the connection's sending side, then lingers; see :meth:`expire`.
+
+        Closing at once while the client is still sending (a body over the limit, a huge head) would make the
+        kernel answer its data with a reset, which can destroy the refusal before the client reads it.
+        """
+        transport = self.transport
+        refusal, self.refusal = self.refusal, b""
         self.pending.clear()
-        if self.transport is not None:
-            if self.cycle is None:  # else the answer in progress must not be interleaved: just close
-                self.transport.write(_problem(status, slug, title, detail))
-            self.transport.close()
+        self.pending_bytes = 0
+        if transport is None:
+            return
+        transport.write(refusal)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self.linger_until = self.loop.time() + _LINGER_S
+        if self.read_paused:
+            self.read_paused = False
+            transport.resume_reading()
 
     def close_if_idle(self) -> None:
         if self.cycle is None and self.transport is not None:
@@ -371,10 +530,14 @@ class _Connection(asyncio.Protocol):
 class HttpServer:
     """Serves one ASGI app (see the module docs)."""
 
-    def __init__(self, app: App, *, max_body_bytes: int = MAX_BODY_BYTES, keepalive_s: float = 5.0) -> None:
+    def __init__(self, app: App, *, max_body_bytes: int = MAX_BODY_BYTES, keepalive_s: float = 5.0,
+                 limits: ServerLimits | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
+        self.limits = limits or ServerLimits()
+        # the sweep is what enforces the timeouts, so it runs often enough for the shortest of them
+        self.sweep_s = min(1.0, keepalive_s / 4, self.limits.header_timeout_s / 4, self.limits.body_timeout_s / 4)
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -391,7 +554,7 @@ class HttpServer:
         else:
             self.listener = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=2048,
                                                           reuse_address=True)
-        self._sweeper = self.loop.call_later(1.0, self._sweep)
+        self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
 
     @property
     def port(self) -> int:
@@ -428,7 +591,9 @@ class HttpServer:
         for conn in list(self.connections):
             if conn.cycle is None and now - conn.idle_since > self.keepalive_s:
                 conn.close_if_idle()
-        self._sweeper = self.loop.call_later(1.0, self._sweep)
+            else:
+                conn.expire(now)
+        self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops accepting; requests in flight get ``timeout_s`` to finish, then are cancelled; then the app stops."""
@@ -440,6 +605,7 @@ class HttpServer:
         for conn in list(self.connections):
             conn.closing = True
             conn.pending.clear()
+            conn.pending_bytes = 0
             conn.close_if_idle()
         if self.tasks:
             _, running = await asyncio.wait(set(self.tasks), timeout=timeout_s)
@@ -458,4 +624,4 @@ class HttpServer:
             await shutdown()
 
 
-__all__ = ["MAX_BODY_BYTES", "HttpServer"]
+__all__ = ["MAX_BODY_BYTES", "HttpServer", "ServerLimits"]
