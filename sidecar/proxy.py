@@ -105,6 +105,8 @@ API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                   b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"})
 _API_DROP = _HOP | {b"accept-encoding"}
+# engine endpoints that generate text: passing them through would bypass the policy and telemetry
+_UNDECIDED = frozenset({"/invocations"})
 # upstream response headers not relayed (hop-by-hop; date/server come from our server)
 _RESP_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server",
                         b"x-request-id", b"proxy-authenticate", b"trailer", b"upgrade", b"te"})
@@ -215,7 +217,7 @@ class _Call(_Watched):
         "t0", "wall", "request_id", "path", "shape", "decision", "bundle", "canary", "engine",
         "stream", "added_usage", "schema", "retries", "fallback", "fallback_reason", "status", "http_status",
         "first_token", "last_token", "n_chunks", "parts", "output", "usage", "metrics", "t_end", "started",
-        "decided",
+        "decided", "done_seen", "delivered",
     )
 
     def __init__(self, t0: float, wall: float, request_id: str, path: str) -> None:
@@ -247,6 +249,8 @@ class _Call(_Watched):
         self.metrics: Any = None
         self.t_end = 0.0
         self.started = False
+        self.done_seen = False  # the engine's `data: [DONE]` has been scanned
+        self.delivered = False  # ...and handed to the client: a disconnect after it is no failure
 
 
 class SidecarApp:
@@ -347,6 +351,10 @@ class SidecarApp:
                     await _respond(send, 503, b'{"status":"no policy loaded yet"}', b"application/json")
                 else:
                     await _respond(send, 200, b'{"status":"ready"}', b"application/json")
+            elif path in _UNDECIDED:
+                await _problem(send, 404, "not-found", "Not served here",
+                               f"{path} generates text without a policy decision; use /v1/chat/completions "
+                               "or /v1/completions")
             else:
                 await self._passthrough(scope, receive, send)
         elif kind == "lifespan":
@@ -379,6 +387,11 @@ class SidecarApp:
             data = _loads(body)
         except ValueError:
             data = None
+        except RecursionError:  # orjson stops at 1024 levels, the stdlib fallback at the interpreter's stack
+            self.metrics.reject("bad_body")
+            await _problem(send, 400, "bad-request", "Bad request",
+                           "the request body is nested too deeply (JSON arrays and objects at most 1024 levels)")
+            return
         if type(data) is not dict:
             self.metrics.reject("bad_body")
             await _problem(send, 400, "bad-request", "Bad request", "the request body must be a JSON object")
@@ -448,7 +461,10 @@ class SidecarApp:
                 call.status = EventStatus.error
                 raise
             _uncancel()
-            call.status = EventStatus.client_disconnect
+            # Many clients close as soon as they read `data: [DONE]`, before our final empty body frame: the
+            # answer was complete, so that is a delivery, not a disconnect.
+            if not call.delivered:
+                call.status = EventStatus.client_disconnect
         except BaseException:
             call.status = EventStatus.error
             raise
@@ -609,6 +625,7 @@ class SidecarApp:
                     await send({"type": _START, "status": resp.status, "headers": self._relay_headers(resp, call)})
                 if out:
                     await send({"type": _BODY, "body": out, "more_body": True})
+                    call.delivered = call.done_seen
         except UpstreamError as exc:
             if not call.started:
                 return exc.reason
@@ -623,6 +640,7 @@ class SidecarApp:
             call.http_status = resp.status
             await send({"type": _START, "status": resp.status, "headers": self._relay_headers(resp, call)})
         await send({"type": _BODY, "body": tail, "more_body": False})
+        call.delivered = call.done_seen
         return None
 
     def _scan(self, call: _Call, data: bytes) -> bytes:
@@ -650,6 +668,8 @@ class SidecarApp:
             return None
         payload = data[start + 5:end].strip()
         if payload[:1] != b"{":
+            if payload == b"[DONE]":
+                call.done_seen = True
             return None
         try:
             obj = _loads(payload)
@@ -839,7 +859,8 @@ class SidecarApp:
                            "this worker has no engine configured")
             return
         headers = [(name.decode("latin-1"), value.decode("latin-1"))
-                   for name, value in scope["headers"] if name not in _HOP]
+                   for name, value in scope["headers"]
+                   if name not in _HOP and not name.startswith(b"x-specgate-")]  # ours, never the engine's
         path = scope.get("raw_path") or scope["path"].encode()
         url = URL(self.engines[engine] + path.decode("latin-1") + (
             "?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else ""), encoded=True)

@@ -94,6 +94,10 @@ def _rejected_count(answer: bytes, count: int) -> tuple[int, list[Any]]:
     if not isinstance(data, dict):
         return 0, []
     rejected = data.get("rejected")
+    # The control plane lists only the first few refusals; its total is rejected_count.
+    total = data.get("rejected_count")
+    if isinstance(total, int) and not isinstance(total, bool):
+        return max(0, min(total, count)), rejected[:3] if isinstance(rejected, list) else []
     if isinstance(rejected, int) and not isinstance(rejected, bool):
         return max(0, min(rejected, count)), []
     if not isinstance(rejected, list):

@@ -458,3 +458,13 @@ def test_against_the_real_control_plane_through_an_outage(tmp_path: Path) -> Non
         cp.stop()
     with session_for(url) as session:
         assert session.scalar(select(func.count()).select_from(TelemetryEventRecord)) == 350
+
+
+def test_the_refusal_count_is_the_control_planes_total_not_the_listed_few() -> None:
+    from sidecar.telemetry import _rejected_count
+
+    answer = json.dumps({"accepted": 470, "rejected": [{"index": i} for i in range(20)],
+                         "rejected_count": 30}).encode()
+    count, reasons = _rejected_count(answer, 500)
+    assert count == 30
+    assert len(reasons) == 3
