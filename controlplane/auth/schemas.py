@@ -18,10 +18,15 @@ class Scope(StrEnum):
     viewer = "viewer"
 
 
+# Audited actors are "scope:name" in String(128) columns; the longest scope prefix must still fit.
+ACTOR_MAX = 128
+KEY_NAME_MAX = ACTOR_MAX - max(len(f"{s.value}:") for s in Scope)
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=128, pattern=NO_NUL, description="who or what uses the key")
+    name: str = Field(min_length=1, max_length=KEY_NAME_MAX, pattern=NO_NUL, description="who or what uses the key")
     scope: Scope
 
 

@@ -101,7 +101,7 @@ def _count(app: Any, result: service.IngestResult) -> None:
     metrics.telemetry_batches.labels("new").inc()
     metrics.telemetry_events.labels("stored").inc(ack.stored)
     metrics.telemetry_events.labels("already_stored").inc(result.already_stored)
-    metrics.telemetry_events.labels("rejected").inc(len(ack.rejected))
+    metrics.telemetry_events.labels("rejected").inc(ack.rejected_count)
 
 
 @router.post(

@@ -48,6 +48,10 @@ class EventError(BaseModel):
     message: str
 
 
+# A tiny gzipped batch of empty events would otherwise be echoed and stored as megabytes of reasons.
+REJECTED_KEPT = 20
+
+
 class RejectedEvent(BaseModel):
     index: int = Field(description="position of the event in the batch's events, from 0")
     errors: list[EventError]
@@ -57,7 +61,9 @@ class BatchAck(BaseModel):
     batch_id: str
     accepted: int = Field(description="events that validated (stored now or before)")
     stored: int = Field(description="events stored by this batch; an event id seen before is not stored again")
-    rejected: list[RejectedEvent] = Field(description="events refused, each with its index and reasons")
+    rejected: list[RejectedEvent] = Field(
+        description=f"the first {REJECTED_KEPT} events refused, each with its index and reasons")
+    rejected_count: int = Field(description="events refused in all; `rejected` lists only the first few")
     duplicate: bool = Field(description="the batch id was received before: nothing was stored, and the "
                                         "counts are those of the first time")
 

@@ -34,7 +34,7 @@ from analysis.histogram import METRICS, quantile
 from analysis.rollup import COUNTERS, KEY_FIELDS, aggregate
 from controlplane.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from controlplane.telemetry.repository import PurgeCounts, RollupFilter, TelemetryRepository
-from controlplane.telemetry.schemas import BatchAck, BatchEnvelope, EventError, RejectedEvent, ValidBatch
+from controlplane.telemetry.schemas import REJECTED_KEPT, BatchAck, BatchEnvelope, EventError, RejectedEvent, ValidBatch
 from wire.problems import ProblemCode, problem_code
 from wire.telemetry import TelemetryEvent
 
@@ -203,7 +203,8 @@ class IngestResult:
 def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: dt.datetime) -> IngestResult:
     """Store a parsed batch once: its new events, and their rollups; see the module docstring."""
     repo = TelemetryRepository(session)
-    rejected = [r.model_dump() for r in batch.rejected]
+    kept = batch.rejected[:REJECTED_KEPT]
+    rejected = [r.model_dump() for r in kept]
     claimed = repo.claim_batch({
         "batch_id": batch.batch_id, "worker_id": batch.worker_id, "sent_by": sent_by,
         "received_at": received_at, "event_count": batch.event_count, "accepted": len(batch.events),
@@ -214,7 +215,8 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
         if first is None:  # pragma: no cover - the conflicting row is committed when DO NOTHING sees it
             raise RuntimeError(f"batch {batch.batch_id!r} conflicted but cannot be read")
         ack = BatchAck(batch_id=first.batch_id, accepted=first.accepted, stored=first.stored,
-                       rejected=[_stored_rejection(r) for r in first.rejected], duplicate=True)
+                       rejected=[_stored_rejection(r) for r in first.rejected],
+                       rejected_count=first.event_count - first.accepted, duplicate=True)
         return IngestResult(ack, already_stored=0)
 
     unique: dict[str, TelemetryEvent] = {}
@@ -227,7 +229,7 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
     _add_to_rollups(repo, fresh)
     repo.set_batch_stored(batch.batch_id, len(fresh))
     ack = BatchAck(batch_id=batch.batch_id, accepted=len(batch.events), stored=len(fresh),
-                   rejected=batch.rejected, duplicate=False)
+                   rejected=kept, rejected_count=len(batch.rejected), duplicate=False)
     return IngestResult(ack, already_stored=len(batch.events) - len(fresh))
 
 

@@ -32,6 +32,7 @@ from controlplane.models import (
 )
 from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.repository import EVENT_COLUMNS, TelemetryRepository
+from controlplane.telemetry.schemas import MAX_EVENTS, REJECTED_KEPT
 from controlplane.telemetry.service import purge
 from specgate.cli import app as cli_app
 from tests.support.live import serve
@@ -248,7 +249,7 @@ def test_plain_and_gzip_batches_are_stored_field_for_field(client: TestClient, w
                                                            db: Engine) -> None:
     r = post(client, worker_key, batch("b-plain", [event(1), event(2)]), compress=False)
     assert r.status_code == 200, r.text
-    assert r.json() == {"batch_id": "b-plain", "accepted": 2, "stored": 2, "rejected": [], "duplicate": False}
+    assert r.json() == {"batch_id": "b-plain", "accepted": 2, "stored": 2, "rejected": [], "rejected_count": 0, "duplicate": False}
     offset = event(3, time="2026-12-02T12:00:30.250+02:00", structured_valid=True, fallback_reason="read_timeout",
                    ttft_ms=None, spec_draft_tokens=None)
     naive = event(4, time="2026-12-02T10:05:00")
@@ -672,3 +673,32 @@ def test_rollups_filter_group_and_validate(client: TestClient, worker_key: dict[
     assert edge.status_code == 422
     assert edge.json()["errors"][0]["path"] == "to"
     assert client.get(ROLLUPS, headers=worker_key).status_code == 403
+
+
+def test_a_batch_of_many_bad_events_answers_and_stores_counts_and_the_first_few(
+        client: TestClient, worker_key: dict[str, str], db: Engine) -> None:
+    many = MAX_EVENTS
+    r = post(client, worker_key, batch("b-empty", [{}] * many))
+    assert r.status_code == 200, r.text
+    ack = r.json()
+    assert ack["rejected_count"] == many
+    assert len(ack["rejected"]) == REJECTED_KEPT
+    assert [x["index"] for x in ack["rejected"]] == list(range(REJECTED_KEPT))
+    assert len(r.content) < 20_000
+    with db.connect() as conn:
+        query = select(TelemetryBatchRecord.rejected).where(TelemetryBatchRecord.batch_id == "b-empty")
+        stored = conn.execute(query).scalar_one()
+    assert len(stored) == REJECTED_KEPT
+    again = post(client, worker_key, batch("b-empty", [{}] * many)).json()
+    assert again["duplicate"]
+    assert again["rejected_count"] == many
+    assert len(again["rejected"]) == REJECTED_KEPT
+
+
+def test_nul_and_int32_overflow_refuse_only_their_own_event(
+        client: TestClient, worker_key: dict[str, str], db: Engine) -> None:
+    events = [event(0), event(1, route="\x00"), event(2, batch_size=2**31), event(3, batch_size=2**31 - 1), event(4)]
+    ack = post(client, worker_key, batch("b-edges", events)).json()
+    assert {rej["index"] for rej in ack["rejected"]} == {1, 2}
+    assert ack["rejected_count"] == 2
+    assert event_ids(db) == {"ev-0", "ev-3", "ev-4"}
