@@ -9,12 +9,20 @@ statistics from a file as well as from the database.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 from analysis.histogram import quantile
 from analysis.stats import LogMoments, RatioEstimate, log_moments, welch_ratio
+
+# How much more often clients may go away on one arm than on the other before that arm's latencies stop
+# being evidence that it is faster: one percentage point, with confidence (see more_disconnects). A client
+# that gives up on a slow answer takes its slow tail out of the arm's inter-token latencies (and cuts its
+# e2e short), so an arm that loses more clients looks faster than it was.
+DISCONNECT_MARGIN = 0.01
 
 
 def _hist(data: Mapping[Any, Any] | None) -> dict[int, int]:
@@ -27,6 +35,7 @@ class Cohort:
 
     requests: int = 0
     errors: int = 0
+    client_disconnects: int = 0
     retries: int = 0
     fallbacks: int = 0
     structured_checked: int = 0
@@ -42,14 +51,15 @@ class Cohort:
     e2e: dict[int, int] = field(default_factory=dict)
     ttft: dict[int, int] = field(default_factory=dict)
 
-    _SCALARS = ("requests", "errors", "retries", "fallbacks", "structured_checked", "structured_valid",
-                "spec_reported", "draft_tokens", "accepted_tokens", "spec_steps_sum", "itl_ms_sum", "itl_count",
-                "e2e_ms_sum")
+    _SCALARS = ("requests", "errors", "client_disconnects", "retries", "fallbacks", "structured_checked",
+                "structured_valid", "spec_reported", "draft_tokens", "accepted_tokens", "spec_steps_sum", "itl_ms_sum",
+                "itl_count", "e2e_ms_sum")
 
     @classmethod
     def from_rollup(cls, counters: Mapping[str, Any], histograms: Mapping[str, Mapping[int, int]]) -> Cohort:
         return cls(
-            requests=int(counters["requests"]), errors=int(counters["errors"]), retries=int(counters["retries"]),
+            requests=int(counters["requests"]), errors=int(counters["errors"]),
+            client_disconnects=int(counters.get("client_disconnects", 0)), retries=int(counters["retries"]),
             fallbacks=int(counters["fallbacks"]), structured_checked=int(counters["structured_checked"]),
             structured_valid=int(counters["structured_valid"]), spec_reported=int(counters["spec_reported"]),
             draft_tokens=int(counters["draft_tokens_sum"]), accepted_tokens=int(counters["accepted_tokens_sum"]),
@@ -95,6 +105,11 @@ class Cohort:
         return self._ratio(self.errors, self.requests)
 
     @property
+    def client_disconnect_rate(self) -> float | None:
+        """Requests whose client went away before the answer was complete, per request."""
+        return self._ratio(self.client_disconnects, self.requests)
+
+    @property
     def structured_validity(self) -> float | None:
         return self._ratio(self.structured_valid, self.structured_checked)
 
@@ -125,6 +140,28 @@ class Cohort:
             value = data.get(name, 0)
             kwargs[name] = float(value) if name.endswith("_sum") and "ms" in name else int(value)
         return cls(**kwargs, itl=_hist(data.get("itl")), e2e=_hist(data.get("e2e")), ttft=_hist(data.get("ttft")))
+
+
+def disconnect_excess(arm: Cohort, other: Cohort, confidence: float) -> tuple[float, float] | None:
+    """``arm``'s client-disconnect rate minus ``other``'s, and the lower end of its two-sided interval.
+
+    Binomial variance, floored at one request's worth so that a cohort with no disconnect is not certain
+    of it; None when a cohort is empty.
+    """
+    if arm.requests == 0 or other.requests == 0:
+        return None
+    ra, ro = arm.client_disconnects / arm.requests, other.client_disconnects / other.requests
+    se = math.sqrt(max(ra * (1 - ra), 1 / arm.requests) / arm.requests
+                   + max(ro * (1 - ro), 1 / other.requests) / other.requests)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    return ra - ro, ra - ro - z * se
+
+
+def more_disconnects(arm: Cohort, other: Cohort, confidence: float) -> bool:
+    """Whether clients left ``arm`` markedly more often than ``other``: by more than DISCONNECT_MARGIN,
+    with confidence. Then ``arm`` is never called the faster one."""
+    excess = disconnect_excess(arm, other, confidence)
+    return excess is not None and excess[1] > DISCONNECT_MARGIN
 
 
 @dataclass(slots=True)

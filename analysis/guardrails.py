@@ -25,6 +25,13 @@ A guardrail is ``pass`` when its always-valid interval lies wholly on the good
 side, ``breach`` as above, ``pending`` otherwise (or with fewer than
 ``min_samples`` requests in a cohort). The step's verdict is ``breach`` if any
 guardrail breaches, ``pass`` if all pass, else ``pending``.
+
+Client disconnects: the p95 guardrail does not pass while the canary's
+clients go away markedly more often than the baseline's (by more than
+:data:`analysis.cells.DISCONNECT_MARGIN`, with the same always-valid test):
+the requests they gave up on are missing from the canary's latencies, so its
+p95 would flatter it. It stays ``pending`` (a regression it shows anyway is
+still a breach), and the step is neither passed nor promoted.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from analysis.cells import Cohort
+from analysis.cells import DISCONNECT_MARGIN, Cohort
 from analysis.stats import log_quantile_variance, msprt
 from policies.model import Guardrails
 
@@ -87,9 +94,24 @@ def _p95(base: Cohort, canary: Cohort, limit: float, alpha: float) -> Check:
     test = msprt(math.log(qc) - math.log(qb), vb + vc, margin, alpha=alpha, tau=max(margin, 0.05))
     observed = qc / qb - 1
     interval = (math.expm1(test.ci_low), math.expm1(test.ci_high))
-    return Check("p95_itl_regression", _status(test.breach, test.clear), limit, round(observed, 6), interval,
-                 test.p_value, f"p95 ITL {qc:.2f} ms on the canary vs {qb:.2f} ms on the baseline "
-                               f"({observed:+.1%}; limit +{limit:.0%})")
+    status = _status(test.breach, test.clear)
+    detail = (f"p95 ITL {qc:.2f} ms on the canary vs {qb:.2f} ms on the baseline "
+              f"({observed:+.1%}; limit +{limit:.0%})")
+    if status == "pass" and _more_disconnects(canary, base, alpha):
+        status = "pending"
+        detail += (f"; not passed: clients went away on {canary.client_disconnect_rate:.1%} of canary requests "
+                   f"vs {base.client_disconnect_rate:.1%} of baseline ones, so the canary's latencies miss "
+                   "the answers they gave up on")
+    return Check("p95_itl_regression", status, limit, round(observed, 6), interval, test.p_value, detail)
+
+
+def _more_disconnects(canary: Cohort, base: Cohort, alpha: float) -> bool:
+    """The canary's disconnect rate exceeds the baseline's by more than DISCONNECT_MARGIN (always valid)."""
+    rb = base.client_disconnects / base.requests
+    rc = canary.client_disconnects / canary.requests
+    variance = (max(rb * (1 - rb), 1 / base.requests) / base.requests
+                + max(rc * (1 - rc), 1 / canary.requests) / canary.requests)
+    return msprt(rc - rb, variance, DISCONNECT_MARGIN, alpha=alpha, tau=0.02).breach
 
 
 def _retries(base: Cohort, canary: Cohort, limit: float, alpha: float) -> Check:

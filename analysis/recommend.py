@@ -22,6 +22,13 @@ What it proposes, per route:
   faster with confidence.
 - ``quality_risk`` (a flag, nothing to apply): retries or structured-output
   failures are higher on the speculative path with confidence.
+
+Client disconnects: a bucket where one cohort's clients went away markedly
+more often (:func:`analysis.cells.more_disconnects`) never says that cohort
+is the faster one: its verdict is ``confounded by disconnects`` instead of
+``wins`` or ``loses``, so no threshold moves on it; an engine is not proposed
+as faster when its clients left it markedly more often. Every evidence row
+carries the disconnect count and rate of both cohorts.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from statistics import NormalDist
 from typing import Any
 
 from analysis.buckets import BATCH_BUCKETS, batch_bucket_label
-from analysis.cells import Cell, Cohort
+from analysis.cells import Cell, Cohort, more_disconnects
 from analysis.stats import (
     DEFAULT_COST_RATIO,
     RatioEstimate,
@@ -48,6 +55,7 @@ from policies import RequestShape, compile_policy, validate_data
 from policies.model import Engine, PlainEngine, engine_k
 
 INSUFFICIENT = "insufficient evidence"
+CONFOUNDED = "confounded by disconnects"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +107,18 @@ def _ratio_dict(r: RatioEstimate | None) -> dict[str, Any] | None:
 
 
 def verdict(cell: Cell, cfg: RecommendConfig) -> tuple[str, RatioEstimate | None]:
-    """``wins`` / ``loses`` / ``insufficient evidence`` for speculation in one cell, on inter-token latency."""
+    """``wins`` / ``loses`` / ``insufficient evidence`` for speculation in one cell, on inter-token latency.
+
+    The faster cohort must not be the one its clients left markedly more often (their slow answers are
+    missing from its latencies): then ``confounded by disconnects``.
+    """
     est = cell.speedup("itl", cfg.confidence)
     if est is None or est.n_a < cfg.min_samples or est.n_b < cfg.min_samples:
         return INSUFFICIENT, est
     if est.above_one:
-        return "wins", est
+        return (CONFOUNDED if more_disconnects(cell.speculative, cell.plain, cfg.confidence) else "wins"), est
     if est.below_one:
-        return "loses", est
+        return (CONFOUNDED if more_disconnects(cell.plain, cell.speculative, cfg.confidence) else "loses"), est
     return "no clear difference", est
 
 
@@ -137,6 +149,10 @@ def cell_report(cell: Cell, cfg: RecommendConfig) -> dict[str, Any]:
         "n_speculative": cell.speculative.requests, "n_plain": cell.plain.requests,
         "itl_speedup": _ratio_dict(itl), "e2e_speedup": _ratio_dict(e2e), "verdict": word,
         "itl_ms_p50": {"speculative": cell.speculative.quantile("itl", 0.5), "plain": cell.plain.quantile("itl", 0.5)},
+        "client_disconnects": {"speculative": cell.speculative.client_disconnects,
+                               "plain": cell.plain.client_disconnects},
+        "client_disconnect_rate": {"speculative": cell.speculative.client_disconnect_rate,
+                                   "plain": cell.plain.client_disconnect_rate},
         "acceptance_rate": cell.speculative.acceptance_rate,
         "mean_acceptance_length": cell.speculative.mean_acceptance_length,
         "theory": theory(cell, cfg),
@@ -461,13 +477,15 @@ def _switch_method(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation |
         if other == current_engine:
             continue
         est = welch_ratio(usable[current_engine], m, cfg.confidence)  # current / other
-        if est.above_one:
+        if est.above_one and not more_disconnects(engines[other], engines[current_engine], cfg.confidence):
             return facts.recommendation(
                 "switch_method", f"switch route {route!r} to engine {other!r}",
                 {"kind": "set_engine", "route": route, "engine": other}, _confidence([est], cfg),
                 {"itl_ratio_current_over_new": _ratio_dict(est)},
                 {**facts.evidence, "engines": {n: {"requests": c.requests, "itl_p50": c.quantile("itl", .5),
-                                                   "acceptance_rate": c.acceptance_rate}
+                                                   "acceptance_rate": c.acceptance_rate,
+                                                   "client_disconnects": c.client_disconnects,
+                                                   "client_disconnect_rate": c.client_disconnect_rate}
                                                for n, c in sorted(engines.items())}},
                 f"Switch route {route!r} from {current_engine!r} to {other!r}: its ITL is lower by a "
                 f"factor {est.ratio:.2f} ({cfg.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}).")

@@ -236,13 +236,23 @@ def start_rollout(*, policy: str, revision: str, mode: str, steps: Sequence[floa
                                "target": target, "reason": reason})
 
 
-def rollout_action(rollout_id: str, action: str, *, reason: str = "") -> Call[Rollout]:
-    """promote, pause, resume or abort (abort needs a reason)."""
+def rollout_action(rollout_id: str, action: str, *, reason: str = "",
+                   expected_step: int | None = None) -> Call[Rollout]:
+    """promote, pause, resume or abort (abort needs a reason).
+
+    ``expected_step`` (promote only) is the step the caller saw: the control plane refuses with 409 when
+    the rollout has moved on since, instead of promoting a step nobody looked at.
+    """
     try:
         endpoint = ROLLOUT_ACTIONS[action]
     except KeyError:
         raise ValueError(f"unknown rollout action {action!r}: one of {', '.join(ROLLOUT_ACTIONS)}") from None
-    return endpoint(rollout_id=rollout_id, body={"reason": reason})
+    body: dict[str, Any] = {"reason": reason}
+    if expected_step is not None:
+        if endpoint is not PROMOTE:
+            raise ValueError("expected_step is for promote only")
+        body["expected_step"] = expected_step
+    return endpoint(rollout_id=rollout_id, body=body)
 
 
 def guardrails(rollout_id: str, *, limit: int | None = None) -> Call[GuardrailHistory]:
@@ -317,7 +327,14 @@ def recommendations(policy: str, *, since: When = None, until: When = None,
 
 
 def apply_recommendation(recommendation_id: str, policy: str, *, since: When = None, until: When = None,
-                         min_samples: int | None = None) -> Call[AppliedRecommendation]:
-    """Creates a draft revision with the edit; pass the window and parameters the listing had."""
+                         min_samples: int | None = None, head: str | None = None) -> Call[AppliedRecommendation]:
+    """Creates a draft revision with the edit; pass the window and parameters the listing had, and its ``head``.
+
+    The draft builds on ``head`` (sent as If-Match): a revision saved since the listing is a 412 with the
+    current head, not left out of the new head. Without it, the draft must build on the revision the
+    recommendation was computed against.
+    """
+    headers = {"If-Match": f'"{head}"'} if head is not None else None
     return APPLY_RECOMMENDATION(recommendation_id=recommendation_id,
-                                params={"policy": policy, **_window(since, until), "min_samples": min_samples})
+                                params={"policy": policy, **_window(since, until), "min_samples": min_samples},
+                                headers=headers)

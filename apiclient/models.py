@@ -303,6 +303,8 @@ class SummaryRow(Answer):
     e2e_ms: Quantiles
     retry_rate: float | None
     error_rate: float | None
+    client_disconnects: int
+    client_disconnect_rate: float | None
 
 
 class WorkerSummary(Answer):
@@ -338,6 +340,8 @@ class SpeedupRow(Answer):
     n_plain: int
     itl_speedup: SpeedupInterval | None
     verdict: str
+    client_disconnects: dict[str, int]  # per cohort: speculative, plain
+    client_disconnect_rate: dict[str, float | None]
     theory: Theory | None
 
 
@@ -380,6 +384,7 @@ class Recommendation(Answer):
 class RecommendationList(Answer):
     policy: str
     revision: str
+    head: str | None  # what a draft made from one of them builds on: pass it to apply_recommendation
     recommendations: list[Recommendation]
 
 

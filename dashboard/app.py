@@ -27,7 +27,9 @@ def _sidebar() -> None:
     with st.sidebar:
         st.markdown("### specgate")
         if session is not None:
-            st.markdown(f"Signed in as **{session.who.actor}** ({session.who.scope})  \n`{session.api.base_url}`")
+            # A key's name is whatever its creator typed: shown literally, like the URL.
+            st.markdown(f"Signed in as **{ui.literal(session.who.actor)}** ({session.who.scope})  \n"
+                        f"{ui.literal(session.api.base_url)}")
             if st.button("Refresh data", key=ui.key("refresh"),
                          help=f"pages show what the control plane answered up to {ui.READ_TTL_S} s ago"):
                 ui.invalidate()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -111,22 +112,45 @@ class Session:
         return self.change(call).data
 
 
+_BACKTICKS = re.compile(r"`+")
+
+
+def literal(value: object) -> str:
+    """``value`` as Markdown that shows exactly its characters: an inline code span.
+
+    Streamlit renders Markdown in messages, captions, labels and st.write, and adds emoji shortcodes,
+    material icons, colours and LaTeX on top. Route names, reasons, key names, messages and anything else
+    a client or the telemetry chose go through this before they meet Markdown: inside a code span none of
+    it applies (backslash escapes would not stop the shortcodes, which Streamlit expands after parsing).
+    The fence is one backtick longer than any run in the value, so the value cannot close it.
+    """
+    text = " ".join(str(value).splitlines())
+    if not text:
+        return ""
+    fence = "`" * (max((len(run) for run in _BACKTICKS.findall(text)), default=0) + 1)
+    # A space on each side keeps a value that starts or ends with a backtick (or with spaces) intact:
+    # CommonMark strips exactly one space from each end of a code span.
+    pad = " " if text[0] in "` " or text[-1] in "` " else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def settings() -> DashboardSettings:
     return DashboardSettings()
 
 
 def show_problem(problem: Problem) -> None:
     """A refusal as a person reads it: title, detail, and each field error with its path and line."""
-    lines = [f"**{problem.title}**" + (f" (HTTP {problem.status})" if problem.status else "")
-             + (f": {problem.detail}" if problem.detail else "")]
+    # The detail and the field messages quote what the client sent (names, routes, document text): literal.
+    lines = [f"**{literal(problem.title)}**" + (f" (HTTP {problem.status})" if problem.status else "")
+             + (f": {literal(problem.detail)}" if problem.detail else "")]
     for err in problem.errors:
         where = err.path or "document"
         if err.line is not None:
             where += f" (line {err.line})"
-        lines.append(f"- `{where}`: {err.message}" + (f" [{err.code}]" if err.code else ""))
-    for name in ("state", "current_head", "active_revision", "policy"):
+        lines.append(f"- {literal(where)}: {literal(err.message)}" + (f" [{err.code}]" if err.code else ""))
+    for name in ("state", "current_step", "current_head", "active_revision", "policy"):
         if name in problem.extra:
-            lines.append(f"- {name.replace('_', ' ')}: `{problem.extra[name]}`")
+            lines.append(f"- {name.replace('_', ' ')}: {literal(problem.extra[name])}")
     st.error("\n".join(lines))
 
 
@@ -205,7 +229,7 @@ def require_session() -> Session:
 
 def read_only_note(session: Session, *, need: tuple[str, ...]) -> None:
     if session.who.scope not in need:
-        st.caption(f"Signed in as `{session.who.actor}` ({session.who.scope}): you can look, the controls on "
+        st.caption(f"Signed in as {literal(session.who.actor)} ({session.who.scope}): you can look, the controls on "
                    f"this page need an {' or '.join(need)} key.")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Header, Path, Query
 
 from analysis.recommend import Recommendation, RecommendConfig
 from controlplane.analysis import service
@@ -26,6 +26,7 @@ from controlplane.analysis.schemas import (
 from controlplane.deps import Admin, Reader, SessionDep
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, ValidationFailed, problems
 from controlplane.models import utcnow
+from controlplane.policy.service import parse_if_match
 from controlplane.telemetry.endpoints import parse_group_by, parse_utc
 from controlplane.telemetry.repository import RollupFilter
 
@@ -146,25 +147,33 @@ def list_recommendations(session: SessionDep, _: Reader, policy: PolicyParam, st
                          cost_ratio: CostRatio = None) -> RecommendationList:
     a, b = _window(start, end)
     cfg = RecommendConfig(confidence=confidence, min_samples=min_samples, cost_ratio=cost_ratio)
-    revision, recs = service.list_recommendations(session, policy, start=a, end=b, cfg=cfg)
-    return RecommendationList(policy=policy, revision=revision.id, start=a, end=b,
+    revision, recs, head = service.list_recommendations(session, policy, start=a, end=b, cfg=cfg)
+    return RecommendationList(policy=policy, revision=revision.id, head=head, start=a, end=b,
                               recommendations=[_read(r) for r in recs])
 
 
 @router.post("/v1/recommendations/{recommendation_id}/apply", status_code=201,
              response_model=AppliedRecommendation, tags=["recommendations"],
-             responses={**problems({404: "no such policy, or the recommendation no longer holds",
-                                    409: "the recommendation is a flag with nothing to apply"}),
+             responses={**problems({400: "If-Match is malformed",
+                                    404: "no such policy, or the recommendation no longer holds",
+                                    409: "the recommendation is a flag with nothing to apply",
+                                    412: "If-Match (or, without it, the revision the recommendation was computed "
+                                         "against) is not the policy's head: `current_head` names it"}),
                         **INVALID_RESPONSE},
              description="Create a draft revision (not active) with the recommendation's edit and a message citing "
-                         "its evidence. Pass the same policy, window and parameters as the listing.")
+                         "its evidence. Pass the same policy, window and parameters as the listing, and its `head` "
+                         "as If-Match.")
 def apply(recommendation_id: RecommendationId, session: SessionDep, who: Admin, policy: PolicyParam,
           start: From = None, end: To = None, confidence: Confidence = 0.95, min_samples: MinSamples = 100,
-          cost_ratio: CostRatio = None) -> AppliedRecommendation:
+          cost_ratio: CostRatio = None,
+          if_match: Annotated[str | None, Header(alias="If-Match", max_length=1000,
+                                                 description='"<head>" of the listing: the draft builds on it')]
+          = None) -> AppliedRecommendation:
     a, b = _window(start, end)
     cfg = RecommendConfig(confidence=confidence, min_samples=min_samples, cost_ratio=cost_ratio)
     revision, rec = service.apply_recommendation(session, recommendation_id, policy_name=policy, start=a,
-                                                 end=b, cfg=cfg, actor=who.actor)
+                                                 end=b, cfg=cfg, actor=who.actor,
+                                                 if_match=parse_if_match(if_match) if if_match is not None else None)
     return AppliedRecommendation(recommendation=_read(rec), revision=revision.id, seq=revision.seq,
                                  message=revision.message)
 

@@ -128,6 +128,7 @@ class AnalysisRepository:
         query = (select(E.worker_id,
                         func.count().label("requests"),
                         func.sum(case((E.status != "ok", 1), else_=0)).label("errors"),
+                        func.sum(case((E.status == "client_disconnect", 1), else_=0)).label("client_disconnects"),
                         func.sum(E.retries).label("retries"),
                         func.sum(case((E.fallback, 1), else_=0)).label("fallbacks"),
                         func.sum(case((E.structured_valid.is_not(None), 1), else_=0)).label("structured_checked"),

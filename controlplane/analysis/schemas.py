@@ -45,7 +45,9 @@ class SummaryRow(BaseModel):
     e2e_ms: SummaryQuantiles
     retry_rate: float | None = Field(description="retries per request")
     fallback_rate: float | None
-    error_rate: float | None
+    error_rate: float | None = Field(description="requests not answered ok, client disconnects included")
+    client_disconnects: int = Field(description="requests whose client went away before the answer was complete")
+    client_disconnect_rate: float | None = Field(description="client_disconnects / requests")
     structured_validity_rate: float | None = Field(description="valid / checked structured outputs")
 
 
@@ -56,6 +58,8 @@ class WorkerRow(BaseModel):
     retry_rate: float | None
     fallback_rate: float | None
     error_rate: float | None
+    client_disconnects: int
+    client_disconnect_rate: float | None
     structured_validity_rate: float | None
     itl_ms_mean: float | None
     ttft_ms_mean: float | None
@@ -101,8 +105,12 @@ class SpeedupRow(BaseModel):
     n_plain: int
     itl_speedup: Interval | None = Field(description="Welch interval on log inter-token latency")
     e2e_speedup: Interval | None
-    verdict: str = Field(description="wins, loses, no clear difference, or insufficient evidence")
+    verdict: str = Field(description="wins, loses, no clear difference, insufficient evidence, or confounded by "
+                                     "disconnects (the faster cohort's clients went away markedly more often)")
     itl_ms_p50: dict[str, float | None]
+    client_disconnects: dict[str, int] = Field(description="per cohort (speculative, plain): requests whose client "
+                                                           "went away before the answer was complete")
+    client_disconnect_rate: dict[str, float | None] = Field(description="per cohort: client_disconnects / requests")
     acceptance_rate: float | None
     mean_acceptance_length: float | None
     theory: Theory | None
@@ -159,6 +167,8 @@ class RecommendationRead(BaseModel):
 class RecommendationList(BaseModel):
     policy: str
     revision: str = Field(description="the active revision the edits apply to")
+    head: str | None = Field(description="the policy's head revision now: a draft made from a recommendation "
+                                         "builds on it, so send it as If-Match when applying one")
     start: dt.datetime | None = Field(alias="from")
     end: dt.datetime | None = Field(alias="to")
     recommendations: list[RecommendationRead]

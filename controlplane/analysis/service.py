@@ -29,7 +29,7 @@ from analysis.recommend import (
 )
 from controlplane.analysis.repository import AnalysisRepository
 from controlplane.audit.service import record
-from controlplane.errors import Conflict, NotFound, ValidationFailed
+from controlplane.errors import Conflict, NotFound, PreconditionFailed, ValidationFailed
 from controlplane.models import Policy, Revision, Rollout
 from controlplane.policy import service as policy_service
 from controlplane.telemetry.repository import RollupFilter
@@ -76,7 +76,9 @@ def describe(cohort: Cohort) -> dict[str, Any]:
     return {"requests": cohort.requests, "acceptance_rate": cohort.acceptance_rate,
             "mean_acceptance_length": cohort.mean_acceptance_length, "ttft_ms": q("ttft"), "itl_ms": q("itl"),
             "e2e_ms": q("e2e"), "retry_rate": cohort.retry_rate, "fallback_rate": cohort.fallback_rate,
-            "error_rate": cohort.error_rate, "structured_validity_rate": cohort.structured_validity}
+            "error_rate": cohort.error_rate, "client_disconnects": cohort.client_disconnects,
+            "client_disconnect_rate": cohort.client_disconnect_rate,
+            "structured_validity_rate": cohort.structured_validity}
 
 
 def summaries(session: Session, flt: RollupFilter, group_by: Sequence[str], window: str | None,
@@ -107,6 +109,8 @@ def worker_summaries(session: Session, *, policy: str | None, route: str | None,
                     "acceptance_rate": int(r["accepted_tokens"] or 0) / drafted if drafted else None,
                     "retry_rate": int(r["retries"] or 0) / n, "fallback_rate": int(r["fallbacks"] or 0) / n,
                     "error_rate": int(r["errors"] or 0) / n,
+                    "client_disconnects": int(r["client_disconnects"] or 0),
+                    "client_disconnect_rate": int(r["client_disconnects"] or 0) / n,
                     "structured_validity_rate": int(r["structured_valid"] or 0) / checked if checked else None,
                     "itl_ms_mean": r["itl_ms_mean"], "ttft_ms_mean": r["ttft_ms_mean"],
                     "e2e_ms_mean": r["e2e_ms_mean"]})
@@ -337,15 +341,24 @@ def _check_edits(revision: Revision, recs: list[Recommendation]) -> None:
 
 
 def list_recommendations(session: Session, policy_name: str, *, start: dt.datetime | None,
-                         end: dt.datetime | None, cfg: RecommendConfig) -> tuple[Revision, list[Recommendation]]:
+                         end: dt.datetime | None,
+                         cfg: RecommendConfig) -> tuple[Revision, list[Recommendation], str | None]:
+    """The active revision, its recommendations, and the policy's head (what applying one builds on)."""
     revision, recs, _ = recommendations(session, policy_name, start=start, end=end, cfg=cfg)
     _check_edits(revision, recs)
-    return revision, recs
+    head = AnalysisRepository(session).head(revision.policy_id)
+    return revision, recs, head.id if head is not None else None
 
 
 def apply_recommendation(session: Session, rec_id: str, *, policy_name: str, start: dt.datetime | None,
-                         end: dt.datetime | None, cfg: RecommendConfig, actor: str) -> tuple[Revision, Recommendation]:
-    """Create a draft revision (not active) with a recommendation's edit; the message cites its evidence."""
+                         end: dt.datetime | None, cfg: RecommendConfig, actor: str,
+                         if_match: policy_service.IfMatch | None = None) -> tuple[Revision, Recommendation]:
+    """Create a draft revision (not active) with a recommendation's edit; the message cites its evidence.
+
+    The draft is a new head of the policy, so it builds on a head the caller names: ``if_match`` (the
+    listing's ``head``); without one, the revision the recommendation was computed against. A revision
+    saved in between is then a 412, never silently left out of the new head.
+    """
     revision, recs, _ = recommendations(session, policy_name, start=start, end=end, cfg=cfg)
     rec = next((r for r in recs if r.id == rec_id), None)
     if rec is None:
@@ -359,10 +372,20 @@ def apply_recommendation(session: Session, rec_id: str, *, policy_name: str, sta
         raise ValidationFailed("the edited policy does not validate", errors=[
             {"path": e.path, "in": "policy", "code": e.code, "message": e.message} for e in exc.errors]) from None
     message = f"{rec.message} [recommendation {rec.id}, confidence {rec.confidence}, based on {revision.id[:12]}]"
-    outcome = policy_service.create_revision(
-        session, policy_name=policy_name,
-        submission=policy_service.Submission(data=edited, message=message[:4000]),
-        if_match=policy_service.IfMatch(any=True, tags=frozenset()), actor=actor)
+    condition = if_match if if_match is not None else policy_service.IfMatch(any=False,
+                                                                             tags=frozenset({revision.id}))
+    try:
+        outcome = policy_service.create_revision(
+            session, policy_name=policy_name,
+            submission=policy_service.Submission(data=edited, message=message[:4000]),
+            if_match=condition, actor=actor)
+    except PreconditionFailed as exc:
+        head = exc.extra.get("current_head")
+        raise PreconditionFailed(
+            f"the policy's head is {head}, not the revision this recommendation was to build on "
+            f"({', '.join(sorted(condition.tags)) or 'none named'}): a revision was saved since the "
+            "recommendations were listed; list them again (the draft would have left that revision's changes out)",
+            errors=exc.errors, headers=exc.headers, **exc.extra) from None
     record(session, actor=actor, action="recommendation.apply", target_type="revision",
            target_id=outcome.revision.id,
            before={"revision": revision.id},

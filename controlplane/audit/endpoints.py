@@ -6,6 +6,7 @@ from fastapi import APIRouter, Query
 
 from controlplane.audit.repository import AuditRepository
 from controlplane.audit.schemas import NO_NUL, AuditEventRead, AuditPage
+from controlplane.audit.service import redact
 from controlplane.deps import Reader, SessionDep
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE
 
@@ -25,5 +26,8 @@ def search(session: SessionDep, _: Reader,
            limit: int = Query(50, ge=1, le=500)) -> AuditPage:
     rows = AuditRepository(session).search(action=action, actor=actor, target_type=target_type,
                                            target_id=target_id, text=q, before_id=cursor, limit=limit)
-    items = [AuditEventRead.model_validate(r, from_attributes=True) for r in rows]
+    items = [AuditEventRead(id=r.id, at=r.at, actor=r.actor, action=r.action, target_type=r.target_type,
+                            target_id=r.target_id, reason=r.reason,
+                            before=redact(r.target_type, r.target_id, r.before),
+                            after=redact(r.target_type, r.target_id, r.after)) for r in rows]
     return AuditPage(items=items, next_cursor=items[-1].id if len(items) == limit else None)

@@ -26,6 +26,7 @@ from controlplane.rollout.schemas import (
     KillSwitchRead,
     KillSwitchUpdate,
     PolicyRollbackRead,
+    PromoteBody,
     RollbackBody,
     RolloutAction,
     RolloutCreate,
@@ -80,19 +81,24 @@ def get(rollout_id: RolloutId, session: SessionDep, _: Reader) -> RolloutRead:
 
 
 def _act(session: Session, announce: Announcer, rollout_id: RolloutId, action: RolloutAction, who: Principal,
-         reason: str) -> RolloutRead:
-    rollout, generation = service.apply_action(session, rollout_id, action, actor=who.actor, reason=reason)
+         reason: str, expected_step: int | None = None) -> RolloutRead:
+    rollout, generation = service.apply_action(session, rollout_id, action, actor=who.actor, reason=reason,
+                                               expected_step=expected_step)
     announce(generation)
     return service.present(session, [rollout])[0]
 
 
 @router.post("/v1/rollouts/{rollout_id}/promote", response_model=RolloutRead,
-             responses={**_NO_ROLLOUT, **_ILLEGAL, **_BODY},
+             responses={**_NO_ROLLOUT, **problems({409: "the rollout's state does not allow a promote (`state` "
+                                                        "names it), or it is no longer at `expected_step` "
+                                                        "(`current_step` names where it is)"}), **_BODY},
              description="Move to the next step; at the last step the rollout completes and the policy's "
-                         "active revision becomes the rollout's revision.")
+                         "active revision becomes the rollout's revision. With `expected_step`, only from that "
+                         "step: a rollout that moved since the caller looked answers 409.")
 def promote(rollout_id: RolloutId, session: SessionDep, announce: Announce, who: Operator,
-            body: OptionalActionBody = None) -> RolloutRead:
-    return _act(session, announce, rollout_id, RolloutAction.promote, who, body.reason if body else "")
+            body: Annotated[PromoteBody | None, Body()] = None) -> RolloutRead:
+    return _act(session, announce, rollout_id, RolloutAction.promote, who, body.reason if body else "",
+                body.expected_step if body else None)
 
 
 @router.post("/v1/rollouts/{rollout_id}/pause", response_model=RolloutRead,

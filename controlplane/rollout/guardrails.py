@@ -77,11 +77,17 @@ def evaluate_guardrails(session: Session, rollout_id: str, *, actor: str, now: d
         action = "rolled_back"
         generation = repo.generation()
     elif result.verdict == "pass" and auto_promote:
-        _, generation = rollout_service.apply_action(
-            session, rollout.id, RolloutAction.promote, actor=rollout_service.GUARDRAIL_ACTOR,
-            reason=f"guardrails passed at step {position} (baseline {result.baseline_requests}, "
-                   f"canary {result.canary_requests} requests)")
-        action = "promoted"
+        try:
+            # The look read the step without the policy lock: promote only the step it evaluated. If an
+            # operator moved the rollout meanwhile, the new step has not been looked at yet; the next
+            # look evaluates it.
+            _, generation = rollout_service.apply_action(
+                session, rollout.id, RolloutAction.promote, actor=rollout_service.GUARDRAIL_ACTOR,
+                reason=f"guardrails passed at step {position} (baseline {result.baseline_requests}, "
+                       f"canary {result.canary_requests} requests)", expected_step=position)
+            action = "promoted"
+        except rollout_service.StaleStep:
+            action = "none"
     evaluation = repo.add_evaluation(GuardrailEvaluation(
         rollout_id=rollout.id, step=position, evaluated_at=now, evaluated_by=actor, verdict=result.verdict,
         action=action, baseline_requests=result.baseline_requests, canary_requests=result.canary_requests,

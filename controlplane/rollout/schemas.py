@@ -81,6 +81,13 @@ class ActionBody(BaseModel):
     reason: OptionalReason = ""
 
 
+class PromoteBody(ActionBody):
+    # Strict: a JSON true or "1" as a step is a client bug, not a step to compare with.
+    expected_step: Annotated[int, Field(strict=True, ge=0, lt=MAX_STEPS)] | None = Field(
+        default=None, description="the step (current_step) the caller saw: the promote is refused with 409 "
+                                  "when the rollout is at another step by now")
+
+
 class AbortBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -217,11 +217,32 @@ def start_rollout(session: Session, body: RolloutCreate, *, actor: str) -> tuple
     return rollout, bump_generation(session)
 
 
+class StaleStep(Conflict):
+    """A promote named a step that is no longer the rollout's current one."""
+
+
+def _check_expected_step(rollout: Rollout, expected_step: int) -> None:
+    # Compared under the policy lock: whoever read the step before (an operator's page, a guardrail
+    # look) promotes only the step they saw, so two promotes of one step cannot both move it on, and a
+    # look at step 0 cannot promote step 1, which it never evaluated.
+    if rollout.current_step != expected_step:
+        raise StaleStep(
+            f"rollout {rollout.id!r} is at step {rollout.current_step}, not {expected_step}: it moved since "
+            "it was read; look at it again before promoting",
+            errors=[{"path": "expected_step", "in": "body", "code": "stale",
+                     "message": f"the current step is {rollout.current_step}"}],
+            state=rollout.state, current_step=rollout.current_step)
+
+
 def apply_action(session: Session, rollout_id: str, action: RolloutAction, *, actor: str,
-                 reason: str) -> tuple[Rollout, int]:
+                 reason: str, expected_step: int | None = None) -> tuple[Rollout, int]:
+    """One client action; a promote with ``expected_step`` moves on only from that step (else StaleStep)."""
     if action not in ENDPOINT_ACTIONS:
         raise ValueError(f"{action.value} is not a client action")
-    rollout = _transition(session, _locked_rollout(session, rollout_id), action, actor=actor, reason=reason)
+    rollout = _locked_rollout(session, rollout_id)
+    if expected_step is not None and action is A.promote:
+        _check_expected_step(rollout, expected_step)
+    rollout = _transition(session, rollout, action, actor=actor, reason=reason)
     return rollout, bump_generation(session)
 
 

@@ -27,8 +27,9 @@ def render() -> None:
     switch = ui.call(lambda: session.read(calls.kill_switch()))
     if switch is not None:
         if switch.enabled:
-            st.error(f"**Kill switch is ON**: every request goes to the plain engine. Reason: {switch.reason or '-'} "
-                     f"({switch.changed_by or '?'}, {ui.ago(switch.changed_at)})")
+            st.error(f"**Kill switch is ON**: every request goes to the plain engine. Reason: "
+                     f"{ui.literal(switch.reason or '-')} ({ui.literal(switch.changed_by or '?')}, "
+                     f"{ui.ago(switch.changed_at)})")
         else:
             st.success("Kill switch is off: policies decide.")
 

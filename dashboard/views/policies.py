@@ -69,7 +69,7 @@ def _new_policy(session: ui.Session) -> None:
             created = ui.call(lambda: session.write(calls.create_policy(
                 name.strip(), pool=pool.strip() or None, description=description.strip() or None)))
             if created is not None:
-                ui.flash(f"Policy {created.name} created: write its first revision below.")
+                ui.flash(f"Policy {ui.literal(created.name)} created: write its first revision below.")
                 st.session_state[ui.key("policy")] = created.name
                 st.rerun()
 
@@ -90,8 +90,9 @@ def _editor(session: ui.Session, policy: Policy) -> None:
     base = st.session_state.get(base_key)
     if base != policy.head_revision_id:
         c1, c2 = st.columns([4, 1])
-        c1.warning(f"A newer revision `{ui.short(policy.head_revision_id)}` was saved since this editor loaded "
-                   f"`{ui.short(base)}`: saving is refused until you reload it (your text is lost then).")
+        c1.warning(f"A newer revision {ui.literal(ui.short(policy.head_revision_id))} was saved since this editor "
+                   f"loaded {ui.literal(ui.short(base))}: saving is refused until you reload it (your text is lost "
+                   "then).")
         if c2.button("Load the newest", key=ui.key("reload", policy.name)):
             del st.session_state[key]
             st.rerun()
@@ -108,9 +109,9 @@ def _editor(session: ui.Session, policy: Policy) -> None:
         return
     st.session_state[ui.key("valid", policy.name)] = True
     if check.existing:
-        st.success(f"Valid. This document is already revision `{ui.short(check.revision_id)}`.")
+        st.success(f"Valid. This document is already revision {ui.literal(ui.short(check.revision_id))}.")
     else:
-        st.success(f"Valid. Saved, it would become revision `{ui.short(check.revision_id)}`.")
+        st.success(f"Valid. Saved, it would become revision {ui.literal(ui.short(check.revision_id))}.")
 
     if check.evaluations and shape is not None:
         rows = [{"revision": "draft", "engine": e.decision.engine, "speculate": e.decision.speculate,
@@ -131,7 +132,8 @@ def _editor(session: ui.Session, policy: Policy) -> None:
         st.caption(f"Identical to the active revision #{check.diff.against.seq}.")
     else:
         for line in check.diff.summary.lines():
-            st.markdown(f"- {line}")
+            # The lines name rules and engines of the document: the author's words, shown as written.
+            st.markdown(f"- {ui.literal(line)}")
         st.code(check.diff.unified, language="diff")
 
     with st.form(ui.key("save", policy.name)):
@@ -151,8 +153,9 @@ def _editor(session: ui.Session, policy: Policy) -> None:
             if created:
                 st.session_state[base_key] = revision.id
             state = "active (the policy's first revision)" if revision.active else "a draft: roll it out from Rollouts"
-            ui.flash(f"Revision #{revision.seq} `{ui.short(revision.id)}` of {policy.name} saved; it is {state}."
-                     if created else f"Nothing saved: revision `{ui.short(revision.id)}` already has this content.")
+            ui.flash(f"Revision #{revision.seq} {ui.literal(ui.short(revision.id))} of {ui.literal(policy.name)} "
+                     f"saved; it is {state}." if created else
+                     f"Nothing saved: revision {ui.literal(ui.short(revision.id))} already has this content.")
             st.rerun()
 
 

@@ -48,11 +48,13 @@ def evidence_frame(evidence: dict[str, Any]) -> pd.DataFrame:
         if not isinstance(bucket, dict):
             continue
         itl = bucket.get("itl_ms_p50") or {}
+        gone = bucket.get("client_disconnect_rate") or {}
         for kind in ("speculative", "plain"):
             if isinstance(itl, dict) and itl.get(kind) is not None:
                 rows.append({"batch_bucket": bucket.get("batch_bucket"), "batch": bucket.get("batch_range"),
                              "engine": kind, "itl_ms_p50": itl[kind], "verdict": bucket.get("verdict", ""),
-                             "n": bucket.get(f"n_{kind}")})
+                             "n": bucket.get(f"n_{kind}"),
+                             "client_disconnects": gone.get(kind) if isinstance(gone, dict) else None})
     return pd.DataFrame(rows)
 
 
@@ -64,18 +66,22 @@ def _evidence_chart(evidence: dict[str, Any]) -> alt.Chart | None:
         alt.X("batch_bucket:Q", title="batch size (bucket lower bound)", scale=alt.Scale(type="log", base=2)),
         alt.Y("itl_ms_p50:Q", title="ITL p50 (ms)"),
         alt.Color("engine:N", scale=alt.Scale(domain=["speculative", "plain"], range=["#e45756", "#4c78a8"])),
-        tooltip=["batch:N", "engine:N", alt.Tooltip("itl_ms_p50:Q", format=".1f"), "n:Q", "verdict:N"])
+        tooltip=["batch:N", "engine:N", alt.Tooltip("itl_ms_p50:Q", format=".1f"), "n:Q",
+                 alt.Tooltip("client_disconnects:Q", format=".1%"), "verdict:N"])
     return chart.properties(height=200)
 
 
-def _card(session: ui.Session, rec: Recommendation, policy: str, params: dict[str, Any]) -> None:
+def _card(session: ui.Session, rec: Recommendation, policy: str, head: str | None, params: dict[str, Any]) -> None:
     with st.container(border=True):
-        st.markdown(f"**{rec.title}** · route `{rec.route}` · {rec.kind.replace('_', ' ')}")
+        # Titles and messages quote the route, which a client named: shown as text, never as Markdown.
+        st.markdown(f"**{ui.literal(rec.title)}** · route {ui.literal(rec.route)} · "
+                    f"{ui.literal(rec.kind.replace('_', ' '))}")
         if rec.message:
-            st.write(rec.message)
+            st.text(rec.message)
         c1, c2 = st.columns([3, 1])
-        c1.markdown("**Expected effect**: " + _fmt({k: v for k, v in rec.expected_effect.items() if k != "text"})
-                    + (f"  \n{rec.expected_effect['text']}" if rec.expected_effect.get("text") else ""))
+        c1.markdown("**Expected effect**")
+        c1.text(_fmt({k: v for k, v in rec.expected_effect.items() if k != "text"})
+                + (f"\n{rec.expected_effect['text']}" if rec.expected_effect.get("text") else ""))
         c2.metric("Confidence", rec.confidence or "-")
         chart = _evidence_chart(rec.evidence)
         if chart is not None:
@@ -83,15 +89,18 @@ def _card(session: ui.Session, rec: Recommendation, policy: str, params: dict[st
         with st.expander("Evidence (numbers)"):
             st.code(json.dumps(rec.evidence, indent=2, default=str), language="json")
         for problem in rec.problems:
-            st.caption(f"{problem.get('path', '')}: {problem.get('message', problem)}")
+            st.caption(f"{ui.literal(problem.get('path', ''))}: {ui.literal(problem.get('message', problem))}")
         if not rec.applicable:
             st.caption("A flag to look at: there is no edit to apply.")
             return
         if st.button("Create draft revision", key=ui.key("apply", rec.id), disabled=not session.can_edit):
-            applied = ui.call(lambda: session.write(calls.apply_recommendation(rec.id, policy, **params)))
+            # The draft builds on the head this listing was made with: a revision saved since is refused
+            # (412, shown with the current head) rather than left out of the new head.
+            applied = ui.call(lambda: session.write(calls.apply_recommendation(rec.id, policy, head=head,
+                                                                               **params)))
             if applied is not None:
-                ui.flash(f"Draft revision #{applied.seq} `{ui.short(applied.revision)}` of {policy} created: "
-                         "review it on the Policies page, roll it out from Rollouts.")
+                ui.flash(f"Draft revision #{applied.seq} {ui.literal(ui.short(applied.revision))} of "
+                         f"{ui.literal(policy)} created: review it on the Policies page, roll it out from Rollouts.")
                 st.rerun()
 
 
@@ -163,10 +172,10 @@ def render() -> None:
             ui.show_problem(exc.problem)
         return
     ui.read_only_note(session, need=ui.EDIT_SCOPES)
-    st.caption(f"For the active revision `{ui.short(listing.revision)}` of {policy}.")
+    st.caption(f"For the active revision {ui.literal(ui.short(listing.revision))} of {ui.literal(policy)}.")
     if not listing.recommendations:
         st.success("No recommendations: the recorded telemetry suggests no rule change (or there is too little of "
                    "it: lower the cohort size to look anyway).")
     for rec in listing.recommendations:
-        _card(session, rec, policy, params)
+        _card(session, rec, policy, listing.head, params)
     _what_if(session, policy, {"since": params["since"], "until": params["until"]})

@@ -40,11 +40,11 @@ def _kill_switch(session: ui.Session) -> None:
     if switch is None:
         return
     if switch.enabled:
-        st.error(f"ON since {ui.ago(switch.changed_at)} ({switch.changed_by}): {switch.reason}. "
-                 "Every request goes to its policy's plain engine.")
+        st.error(f"ON since {ui.ago(switch.changed_at)} ({ui.literal(switch.changed_by)}): "
+                 f"{ui.literal(switch.reason)}. Every request goes to its policy's plain engine.")
     else:
-        st.success("Off: policies decide." + (f" Last change {ui.ago(switch.changed_at)} by {switch.changed_by}."
-                                             if switch.changed_at else ""))
+        st.success("Off: policies decide." + (f" Last change {ui.ago(switch.changed_at)} by "
+                                             f"{ui.literal(switch.changed_by)}." if switch.changed_at else ""))
     target = not switch.enabled
     what = ("turn speculation OFF fleet-wide (engines keep running)" if target
             else "let policies decide again")
@@ -79,9 +79,10 @@ def _guardrails(session: ui.Session, r: Rollout) -> None:
 
 def _open_rollout(session: ui.Session, r: Rollout) -> None:
     with st.container(border=True):
-        st.markdown(f"**{r.policy}**: `{ui.short(r.from_revision)}` -> `{ui.short(r.to_revision)}` · {r.mode} · "
+        st.markdown(f"**{ui.literal(r.policy)}**: {ui.literal(ui.short(r.from_revision))} -> "
+                    f"{ui.literal(ui.short(r.to_revision))} · {r.mode} · "
                     f"**{r.state}** at step {r.current_step + 1}/{len(r.steps)} ({r.current_percent:g}%) · "
-                    f"by {r.created_by} {ui.ago(r.created_at)} · reason: {r.reason}")
+                    f"by {ui.literal(r.created_by)} {ui.ago(r.created_at)} · reason: {ui.literal(r.reason)}")
         st.dataframe(pd.DataFrame([{"step": s.position + 1, "percent": s.percent,
                                     "started": ui.ago(s.started_at) if s.started_at else "",
                                     "finished": ui.ago(s.finished_at) if s.finished_at else "",
@@ -96,13 +97,17 @@ def _open_rollout(session: ui.Session, r: Rollout) -> None:
             st.selectbox("Action", actions, key=ui.key(form, "action"),
                          format_func=lambda a: f"{a}: {_ACTION_WORDS[a]}", disabled=not session.can_operate)
 
-        reason = ui.confirmed(form, what=f"change the rollout of {r.policy}", button="Apply",
+        reason = ui.confirmed(form, what=f"change the rollout of {ui.literal(r.policy)}", button="Apply",
                               disabled=not session.can_operate, extra=pick)
         if reason is not None:
             action = st.session_state.get(ui.key(form, "action"), actions[0])
-            done = ui.call(lambda: session.write(calls.rollout_action(r.id, action, reason=reason)))
+            # A promote names the step this page showed: if the rollout moved since (another operator, the
+            # guardrails), the control plane refuses instead of skipping a step nobody looked at here.
+            step = r.current_step if action == "promote" else None
+            done = ui.call(lambda: session.write(calls.rollout_action(r.id, action, reason=reason,
+                                                                      expected_step=step)))
             if done is not None:
-                ui.flash(f"Rollout of {done.policy}: {action} done; it is now {done.state} "
+                ui.flash(f"Rollout of {ui.literal(done.policy)}: {action} done; it is now {done.state} "
                          f"({done.current_percent:g}%).")
                 st.rerun()
 
@@ -117,7 +122,8 @@ def _start(session: ui.Session, policies: list[Policy]) -> None:
     policy = next(p for p in policies if p.name == name)
     candidates = [r for r in _revisions(session, name) if not r.active]
     if not candidates:
-        st.caption(f"{name} has no revision but its active one: save a draft on the Policies page first.")
+        st.caption(f"{ui.literal(name)} has no revision but its active one: save a draft on the Policies page "
+                   "first.")
         return
     labels = {r.id: _label(r) for r in candidates}
 
@@ -135,7 +141,8 @@ def _start(session: ui.Session, policies: list[Policy]) -> None:
                       key=ui.key("start_pool", name), disabled=not session.can_operate)
         c4.text_input("Target labels (k=v, ...)", key=ui.key("start_labels"), disabled=not session.can_operate)
 
-    reason = ui.confirmed("start", what=f"start moving {name} to the chosen revision", button="Start rollout",
+    reason = ui.confirmed("start", what=f"start moving {ui.literal(name)} to the chosen revision",
+                          button="Start rollout",
                           disabled=not session.can_operate, extra=fields)
     if reason is None:
         return
@@ -151,7 +158,8 @@ def _start(session: ui.Session, policies: list[Policy]) -> None:
         mode=st.session_state.get(ui.key("start_mode"), "traffic"), steps=steps, reason=reason,
         pool=st.session_state.get(ui.key("start_pool", name)) or None, labels=target_labels)))
     if started is not None:
-        ui.flash(f"Rollout of {name} to `{ui.short(started.to_revision)}` started at {started.current_percent:g}%.")
+        ui.flash(f"Rollout of {ui.literal(name)} to {ui.literal(ui.short(started.to_revision))} started at "
+                 f"{started.current_percent:g}%.")
         st.rerun()
 
 
@@ -163,7 +171,7 @@ def _rollback(session: ui.Session, policies: list[Policy]) -> None:
     name = st.selectbox("Policy", names, key=ui.key("rollback_policy"))
     candidates = [r for r in _revisions(session, name) if not r.active]
     if not candidates:
-        st.caption(f"{name} has no other revision to go back to.")
+        st.caption(f"{ui.literal(name)} has no other revision to go back to.")
         return
     labels = {r.id: _label(r) for r in candidates}
 
@@ -171,14 +179,15 @@ def _rollback(session: ui.Session, policies: list[Policy]) -> None:
         st.selectbox("Make this revision active now", list(labels), format_func=labels.__getitem__,
                      key=ui.key("rollback_revision"), disabled=not session.can_operate)
 
-    reason = ui.confirmed("rollback", what=f"make the chosen revision of {name} active at once (ends its rollout)",
+    reason = ui.confirmed("rollback", what=f"make the chosen revision of {ui.literal(name)} active at once "
+                                            "(ends its rollout)",
                           button="Roll back", disabled=not session.can_operate, extra=fields)
     if reason is not None:
         done = ui.call(lambda: session.write(calls.rollback(name, st.session_state[ui.key("rollback_revision")],
                                                             reason=reason)))
         if done is not None:
-            ended = f"; rollout {done.ended_rollout.id[:8]} ended" if done.ended_rollout else ""
-            ui.flash(f"{done.policy} rolled back to `{ui.short(done.active_revision)}`{ended}.")
+            ended = f"; rollout {ui.literal(done.ended_rollout.id[:8])} ended" if done.ended_rollout else ""
+            ui.flash(f"{ui.literal(done.policy)} rolled back to {ui.literal(ui.short(done.active_revision))}{ended}.")
             st.rerun()
 
 

@@ -155,15 +155,22 @@ def recommend_list(policy: PolicyOpt, start: FromOpt = None, end: ToOpt = None, 
     if as_json:
         show(reply.json, True)
     else:
-        _print_recommendations(reply.data.recommendations)
+        listing = reply.data
+        typer.echo(f"for the active revision {listing.revision} of {listing.policy}; head {listing.head} "
+                   f"(apply with --head {listing.head})")
+        _print_recommendations(listing.recommendations)
 
 
 @recommend_app.command("apply")
 def recommend_apply(recommendation_id: str, policy: PolicyOpt, start: FromOpt = None, end: ToOpt = None,
+                    head: Annotated[str | None, typer.Option(
+                        help="the head `recommend list` showed: the draft builds on it, and a revision saved "
+                             "since is refused; default: the revision the recommendation was computed on")] = None,
                     as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """Create a draft revision with a recommendation's edit (same policy and window as the listing)."""
     with control_plane(url, key) as api:
-        reply = api.send(calls.apply_recommendation(recommendation_id, policy, since=start, until=end))
+        reply = api.send(calls.apply_recommendation(recommendation_id, policy, since=start, until=end,
+                                                    head=head))
     if as_json:
         show(reply.json, True)
     else:

@@ -47,6 +47,8 @@ def refusal_text(exc: ApiError) -> str:
     text = exc.problem.text()
     if "state" in exc.problem.extra:
         text += f"\n  current state: {exc.problem.extra['state']}"
+    if "current_step" in exc.problem.extra:
+        text += f"\n  current step: {exc.problem.extra['current_step']}"
     return text
 
 

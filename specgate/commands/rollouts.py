@@ -42,10 +42,22 @@ def _transition(action: str, rollout_id: str, reason: str, url: str, key: str, a
 
 
 @rollout_app.command("promote")
-def rollout_promote(rollout_id: str, reason: Annotated[str, typer.Option()] = "", as_json: JsonOpt = False,
-                    url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
-    """Move a rollout to its next step (or complete it)."""
-    _transition("promote", rollout_id, reason, url, key, as_json)
+def rollout_promote(rollout_id: str, reason: Annotated[str, typer.Option()] = "",
+                    expected_step: Annotated[int | None, typer.Option(
+                        "--expected-step", min=0,
+                        help="the step you are promoting from (current_step, as `rollout status` showed it); "
+                             "default: the step read just before")] = None,
+                    as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """Move a rollout to its next step (or complete it); refused if it is no longer at the expected step."""
+    with control_plane(url, key) as api:
+        if expected_step is None:
+            # Even without a step from the operator, promote only the step just read: two promotes run at
+            # once then move the rollout by one step, not two.
+            seen = api.send(calls.rollout(rollout_id)).data
+            expected_step = seen.current_step
+            typer.echo(f"promoting from step {seen.current_step} ({seen.current_percent:g}%)", err=True)
+        show(api.send(calls.rollout_action(rollout_id, "promote", reason=reason,
+                                           expected_step=expected_step)).json, as_json)
 
 
 @rollout_app.command("pause")

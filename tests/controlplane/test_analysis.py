@@ -196,6 +196,69 @@ def test_recommendations_become_draft_revisions_with_evidence(client: TestClient
     assert r.status_code == 404
 
 
+def test_applying_builds_on_the_listed_head_and_a_revision_saved_since_is_412(
+        client: TestClient, viewer: Headers, admin: Headers, settings: ControlPlaneSettings) -> None:
+    (rid,) = seed(settings.database_url, policy_text())
+    recorded_window(settings.database_url, rid)
+    listing = client.get("/v1/recommendations", params={"policy": "seed"}, headers=viewer).json()
+    assert (listing["revision"], listing["head"]) == (rid, rid)
+    rec = next(r for r in listing["recommendations"] if r["kind"] == "raise_threshold")
+    apply = f"/v1/recommendations/{rec['id']}/apply"
+
+    # Someone saves a draft after the listing: applying must not make a head that leaves it out.
+    saved = client.post("/v1/policies/seed/revisions", json={"document": policy_text(threshold=2), "message": "x"},
+                        headers={**admin, "If-Match": f'"{rid}"'})
+    assert saved.status_code == 201, saved.text
+    draft = saved.json()["id"]
+    for headers in ({**admin, "If-Match": f'"{listing["head"]}"'}, admin):
+        r = client.post(apply, params={"policy": "seed"}, headers=headers)
+        assert r.status_code == 412, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.json()["current_head"] == draft
+        assert [(e["path"], e["code"]) for e in r.json()["errors"]] == [("If-Match", "stale")]
+    assert client.get("/v1/policies/seed", headers=viewer).json()["revision_count"] == 2
+    assert client.post(apply, params={"policy": "seed"}, headers={**admin, "If-Match": "\"abc"}).status_code == 400
+
+    # Listed again, the head is the draft: the recommendation (on the active revision) builds on it.
+    again = client.get("/v1/recommendations", params={"policy": "seed"}, headers=viewer).json()
+    assert (again["revision"], again["head"]) == (rid, draft)
+    r = client.post(apply, params={"policy": "seed"}, headers={**admin, "If-Match": f'"{again["head"]}"'})
+    assert r.status_code == 201, r.text
+    assert client.get(f"/v1/revisions/{r.json()['revision']}", headers=viewer).json()["parent_id"] == draft
+
+
+def test_client_disconnects_are_counted_per_cohort_and_keep_a_faster_verdict_from_standing(
+        client: TestClient, viewer: Headers, settings: ControlPlaneSettings) -> None:
+    (rid,) = seed(settings.database_url, policy_text())
+    rng = random.Random(9)
+    # chat, batch 1: speculation is faster, but one in six of its clients went away (a stream cut short).
+    events = holdout_traffic(rid, rng, "chat", 1, 12.0, 20.0, n=900)
+    spec = [e for e in events if e["speculate"]]
+    for e in spec[::6]:
+        e["status"] = "client_disconnect"
+    store(settings.database_url, events)
+
+    r = client.get("/v1/analysis/summary", params={"group_by": "engine"}, headers=viewer)
+    assert r.status_code == 200, r.text
+    rows = {row["key"]["engine"]: row for row in r.json()["rows"]}
+    gone = len(spec[::6])
+    assert (rows["draft"]["client_disconnects"], rows["base"]["client_disconnects"]) == (gone, 0)
+    assert rows["draft"]["client_disconnect_rate"] == pytest.approx(gone / len(spec))
+    assert rows["draft"]["error_rate"] == pytest.approx(gone / len(spec))  # disconnects are errors too
+    workers = client.get("/v1/analysis/summary", params={"group_by": "worker"}, headers=viewer).json()["workers"]
+    assert [(w["client_disconnects"], w["client_disconnect_rate"]) for w in workers] == [(gone, gone / 900)]
+
+    (row,) = client.get("/v1/analysis/speedups", params={"policy": "seed"}, headers=viewer).json()["rows"]
+    assert row["itl_speedup"]["low"] > 1  # faster on the latencies that were measured ...
+    assert row["verdict"] == "confounded by disconnects"  # ... but not called faster
+    assert row["client_disconnects"] == {"speculative": gone, "plain": 0}
+    assert row["client_disconnect_rate"]["speculative"] == pytest.approx(gone / len(spec))
+    cells = client.get("/v1/analysis/cells", params={"policy": "seed"}, headers=viewer).json()["cells"]
+    assert cells[0]["speculative"]["client_disconnects"] == gone
+    recs = client.get("/v1/recommendations", params={"policy": "seed"}, headers=viewer).json()["recommendations"]
+    assert "raise_threshold" not in {rec["kind"] for rec in recs}
+
+
 def test_quality_flags_have_nothing_to_apply(client: TestClient, viewer: Headers, admin: Headers,
                                              settings: ControlPlaneSettings) -> None:
     (rid,) = seed(settings.database_url, policy_text())

@@ -725,3 +725,97 @@ def test_concurrent_starts_of_one_policy_serialise_and_the_second_gets_409(
     assert result.extra == {"state": "running", "rollout": winner.id}
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(Rollout).where(Rollout.state == "running")) == 1
+
+
+# -- promote with an expected step (compare-and-set under the policy lock) ------------------------------
+
+def test_two_promotes_of_the_same_step_move_the_rollout_once(
+        client: TestClient, operator: Headers, db: Db, seeded: tuple[str, list[str]]) -> None:
+    _, (_, rev1, _) = seeded
+    ro = start(client, operator, rev1).json()
+    gen = db.generation()
+    promote = f"/v1/rollouts/{ro['id']}/promote"
+
+    first = client.post(promote, json={"reason": "10% looked fine", "expected_step": 0}, headers=operator)
+    second = client.post(promote, json={"reason": "10% looked fine", "expected_step": 0}, headers=operator)
+    assert first.status_code == 200, first.text
+    assert first.json()["current_step"] == 1
+    assert second.status_code == 409, second.text
+    assert second.headers["content-type"] == "application/problem+json"
+    problem = second.json()
+    assert (problem["current_step"], problem["state"]) == (1, "running")
+    assert [(e["path"], e["code"]) for e in problem["errors"]] == [("expected_step", "stale")]
+    assert [s.outcome for s in db.steps(ro["id"])] == ["promoted", None, None]
+    assert db.generation() == gen + 1
+    assert len(db.audit("rollout.promote")) == 1
+
+    # The step it names is promoted; without one, whatever is current (as before).
+    assert client.post(promote, json={"expected_step": 1}, headers=operator).json()["current_step"] == 2
+    assert client.post(promote, headers=operator).json()["state"] == "completed"
+    bad = client.post(promote, json={"expected_step": "1"}, headers=operator)
+    assert error_paths(bad) == {("expected_step", "wrong_type")}
+
+
+def test_concurrent_promotes_of_one_step_serialise_and_the_second_is_stale(
+        client: TestClient, operator: Headers, db: Db, seeded: tuple[str, list[str]]) -> None:
+    from controlplane.rollout.schemas import RolloutAction
+    from controlplane.rollout.service import StaleStep, apply_action
+
+    _, (_, rev1, _) = seeded
+    ro = start(client, operator, rev1).json()
+    outcome: list[BaseException | int] = []
+
+    def second() -> None:
+        try:
+            with unit_of_work(db.sessions) as session:
+                rollout, _ = apply_action(session, ro["id"], RolloutAction.promote, actor="operator:b",
+                                          reason="b", expected_step=0)
+                outcome.append(rollout.current_step)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with unit_of_work(db.sessions) as first:
+        winner, _ = apply_action(first, ro["id"], RolloutAction.promote, actor="operator:a", reason="a",
+                                 expected_step=0)
+        assert winner.current_step == 1
+        thread = threading.Thread(target=second)
+        thread.start()
+        # The second promote waits on the policy lock the first holds until it commits.
+        thread.join(0.5)
+        assert thread.is_alive()
+    thread.join(30)
+    assert not thread.is_alive()
+    [result] = outcome
+    assert isinstance(result, StaleStep), result
+    assert result.extra == {"state": "running", "current_step": 1}
+    assert [s.outcome for s in db.steps(ro["id"])] == ["promoted", None, None]
+
+
+def test_a_guardrail_look_promotes_only_the_step_it_evaluated(
+        client: TestClient, operator: Headers, db: Db, seeded: tuple[str, list[str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime as dt
+
+    from analysis.guardrails import StepEvaluation
+    from controlplane.rollout import guardrails
+
+    _, (_, rev1, _) = seeded
+    ro = start(client, operator, rev1).json()
+
+    def operator_promotes_meanwhile(*_: Any, **__: Any) -> StepEvaluation:
+        # Between the look's read of step 0 and its promote, an operator promotes step 0 to step 1.
+        r = client.post(f"/v1/rollouts/{ro['id']}/promote", json={"reason": "by hand"}, headers=operator)
+        assert r.json()["current_step"] == 1, r.text
+        return StepEvaluation("pass", [], 500, 500, 0.05)
+
+    monkeypatch.setattr(guardrails, "evaluate_step", operator_promotes_meanwhile)
+    with unit_of_work(db.sessions) as session:
+        outcome = guardrails.evaluate_guardrails(session, ro["id"], actor=GUARDRAIL_ACTOR,
+                                                 now=dt.datetime.now(dt.UTC), alpha=0.05, auto_promote=True)
+        assert (outcome.evaluation.step, outcome.evaluation.action) == (0, "none")
+        assert outcome.generation is None
+    # Step 1 (50 %) was not skipped: it waits for a look of its own.
+    got = client.get(f"/v1/rollouts/{ro['id']}", headers=operator).json()
+    assert (got["state"], got["current_step"]) == ("running", 1)
+    assert [s["outcome"] for s in got["steps"]] == ["promoted", None, None]
+    assert [e.actor for e in db.audit("rollout.promote")] == ["operator:olga"]

@@ -44,7 +44,7 @@ def test_sign_in_from_the_sidebar_then_every_page_renders(live_control_plane: Li
     at.sidebar.text_input[1].set_value(cp.operator)
     at.sidebar.button[0].click().run()
     no_exception(at)
-    assert "Signed in as **operator:olga** (operator)" in texts(at.sidebar.markdown)
+    assert "Signed in as **`operator:olga`** (operator)" in texts(at.sidebar.markdown)
     assert [t.value for t in at.title] == ["Overview"]
     assert "Kill switch is off" in texts(at.success)
     button(at, "Sign out").click().run()
@@ -122,7 +122,7 @@ def test_policy_editor_validates_live_diffs_and_saves_a_draft(live_control_plane
     error = texts(at.error)
     assert "The policy document is invalid" in error
     line = seed.line_of(source, "batch_size: {max: 4}")
-    assert f"`rules[2].when.batch_size.max (line {line})`: max (4) is below min (5)" in error
+    assert f"`rules[2].when.batch_size.max (line {line})`: `max (4) is below min (5)" in error
     assert "[inverted_range]" in error
     assert not [b for b in at.button if b.label == "Save as draft revision"]  # nothing to save
 
@@ -265,7 +265,7 @@ def test_rollback_and_kill_switch_reach_the_audit_log(live_control_plane: LiveCo
     at.checkbox(key="sg_rollback_confirm_0").check()
     button(at, "Roll back").click().run()
     no_exception(at)
-    assert f"fleet rolled back to `{seeded.draft[:12]}`" in texts(at.success)
+    assert f"`fleet` rolled back to `{seeded.draft[:12]}`" in texts(at.success)
     at.text_input(key="sg_killswitch_reason_1").set_value("incident 42: drafter OOM")
     at.checkbox(key="sg_killswitch_confirm_1").check()
     button(at, "Turn the kill switch ON").click().run()
@@ -393,7 +393,7 @@ def test_a_new_policy_gets_its_first_revision_from_the_editor(live_control_plane
     at.text_input[1].set_value("chat")
     button(at, "Create policy").click().run()
     no_exception(at)
-    assert "Policy chat-pool created" in texts(at.success)
+    assert "Policy `chat-pool` created" in texts(at.success)
     assert "name: chat-pool" in at.text_area(key="sg_editor_chat-pool").value
     assert "The policy has no active revision yet" in texts(at.caption)
     at.text_input(key="sg_message_chat-pool").set_value("first rules for the chat pool")

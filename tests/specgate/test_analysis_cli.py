@@ -128,7 +128,8 @@ def test_summary_speedups_recommend_offline_and_apply(live: str, migrated_url: s
             ("exclude_route", "summarize", {"kind": "exclude_route", "route": "summarize"})]
         code, out = run("recommend", "list", "--policy", "seed")
         assert code == 0, out
-        lines = _lines(out)
+        header, *lines = _lines(out)
+        assert header == f"for the active revision {rid} of seed; head {rid} (apply with --head {rid})"
         assert len(lines) == 2 * len(listed), out
         for head, message, rec in zip(lines[::2], lines[1::2], listed, strict=True):
             m = RECOMMENDATION_LINE.fullmatch(head)
@@ -149,9 +150,13 @@ def test_summary_speedups_recommend_offline_and_apply(live: str, migrated_url: s
         assert code == 0, out
         assert json.loads(out) == listed
 
-        # apply: a draft revision (not active) with the edit, as the API then shows it
+        # apply: a draft revision (not active) with the edit, built on the head the listing showed
         raise_chat = listed[0]
-        code, out = run("recommend", "apply", raise_chat["id"], "--policy", "seed")
+        code, out = run("recommend", "apply", raise_chat["id"], "--policy", "seed", "--head", "f" * 64)
+        assert code == 1, out
+        assert "Precondition failed" in out
+        assert f"If-Match: the head is {rid} [stale]" in out
+        code, out = run("recommend", "apply", raise_chat["id"], "--policy", "seed", "--head", listing["head"])
         assert code == 0, out
         applied = APPLIED_LINE.fullmatch(out.strip())
         assert applied is not None, out

@@ -182,6 +182,23 @@ def revisions(settings: ControlPlaneSettings) -> list[str]:
     return ids
 
 
+def test_rollout_promote_names_the_step_it_moves_on_from(run: Run, revisions: list[str]) -> None:
+    _, rev2 = revisions
+    rid = as_json(run("rollout", "start", "seed", rev2, "--steps", "10,50,100", "--reason", "canary",
+                      "--json"))["id"]
+    # Without --expected-step: the step read just before, said on stderr.
+    stepped = run("rollout", "promote", rid, "--json")
+    assert json.loads(stepped.stdout)["current_step"] == 1
+    assert "promoting from step 0 (10%)" in stepped.stderr
+    # A step that is no longer current (someone promoted since it was shown) is refused; nothing moves.
+    stale = run("rollout", "promote", rid, "--expected-step", "0")
+    assert stale.exit_code == 1
+    assert "current step: 1" in stale.stderr
+    assert "expected_step" in stale.stderr
+    assert as_json(run("rollout", "status", rid, "--json"))["current_step"] == 1
+    assert as_json(run("rollout", "promote", rid, "--expected-step", "1", "--json"))["current_step"] == 2
+
+
 def test_rollout_start_pause_resume_promote_and_status(run: Run, live: str, token: str,
                                                        revisions: list[str]) -> None:
     rev1, rev2 = revisions
