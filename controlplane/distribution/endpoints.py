@@ -17,6 +17,8 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from controlplane.auth.repository import ApiKeyRepository
+from controlplane.db import unit_of_work
 from controlplane.deps import BundleReader, WorkerKey
 from controlplane.distribution.recompute import recomputer_of
 from controlplane.distribution.schemas import BundleEnvelope, PublicKeyRead
@@ -25,6 +27,7 @@ from controlplane.errors import (
     AUTH_RESPONSES,
     INVALID_RESPONSE,
     SpecgateError,
+    Unauthorized,
     ValidationFailed,
     problem_response,
     problems,
@@ -45,6 +48,12 @@ def _worker_query() -> Any:
 
 async def _current(request: Request, worker_id: str) -> Bundle:
     return await recomputer_of(request.app.state).bundle(worker_id)
+
+
+def _key_revoked(request: Request, key_id: str) -> bool:
+    with unit_of_work(request.app.state.sessions) as session:
+        key = ApiKeyRepository(session).get(key_id)
+        return key is None or key.revoked_at is not None
 
 
 def _cache_headers(etag: str) -> dict[str, str]:
@@ -100,7 +109,7 @@ def _sse(event: str, data: dict[str, Any]) -> str:
                              "description": "`event: bundle` with `data: {\"etag\": ...}` at once and on "
                              "every change; `: keepalive` comments while idle"},
                        **AUTH_RESPONSES, **_NOT_SERVED, **INVALID_RESPONSE})
-async def events(request: Request, _: WorkerKey, worker: str = _worker_query()) -> StreamingResponse:
+async def events(request: Request, who: WorkerKey, worker: str = _worker_query()) -> StreamingResponse:
     hub = request.app.state.hub
     keepalive = request.app.state.settings.sse_keepalive_s
     seen = hub.generation
@@ -114,6 +123,12 @@ async def events(request: Request, _: WorkerKey, worker: str = _worker_query()) 
         yield _sse("bundle", {"etag": etag})
         last_write = loop.time()
         while not await request.is_disconnected():
+            if hub.generation != seen or loop.time() - last_write >= keepalive:
+                # The key was checked once when the stream opened; a revocation must also end a
+                # stream already open, so look again before every event and every keepalive.
+                if await run_in_threadpool(_key_revoked, request, who.key_id):
+                    yield _sse("error", Unauthorized("the API key was revoked").to_problem(request.url.path))
+                    return
             if hub.generation != seen:
                 seen = hub.generation
                 try:

@@ -417,6 +417,25 @@ def test_sse_sends_the_current_etag_then_each_change_and_keepalives(
         assert app.state.hub.waiters == 0
 
 
+def test_sse_ends_once_its_key_is_revoked(
+        settings: ControlPlaneSettings, policy: Policy, worker_key: dict[str, str],
+        admin: dict[str, str]) -> None:
+    app = create_app(settings.model_copy(update={"sse_keepalive_s": 0.3}))
+    with serve(app) as base, httpx.Client(base_url=base, timeout=5) as http:
+        assert http.post("/v1/workers/register", headers=worker_key, json={
+            "id": "w1", "pool": "pool-a", "labels": {}, "engines": {}}).status_code == 201
+        key_id = http.get("/v1/whoami", headers=worker_key).json()["key_id"]
+        with http.stream("GET", "/v1/bundle/events", params={"worker": "w1"}, headers=worker_key) as stream:
+            events = sse_events(stream.iter_lines())
+            assert next(events)[0] == "bundle"
+            assert http.delete(f"/v1/keys/{key_id}", headers=admin).status_code == 200
+            # A change after the revocation must not reach the revoked key, and the idle check ends it too.
+            app.state.hub.notify(set_kill_switch(settings.database_url, True))
+            rest = [e for e in events if e[0] != "comment"]
+        assert [kind for kind, _ in rest] == ["error"]
+        assert json.loads(rest[0][1])["status"] == 401
+
+
 def test_a_herd_of_long_polls_woken_by_one_change_costs_one_read(
         settings: ControlPlaneSettings, policy: Policy, worker_key: dict[str, str],
         monkeypatch: pytest.MonkeyPatch) -> None:
