@@ -21,10 +21,12 @@ RUN mkdir -p policies controlplane sidecar dashboard testbed \
 # packages at the source root, which a plain wheel install would leave behind.
 COPY . .
 
+# The key directories are the mount points of the compose file's key volumes: an empty volume takes their
+# owner and mode 700 on first use.
 RUN useradd --uid 10001 --home-dir /var/lib/specgate --shell /usr/sbin/nologin specgate \
-    && mkdir -p /var/lib/specgate/keys /var/lib/specgate/sidecar \
+    && mkdir -p /var/lib/specgate/keys/admin /var/lib/specgate/keys/worker /var/lib/specgate/sidecar \
     && chown -R specgate:specgate /var/lib/specgate \
-    && chmod 700 /var/lib/specgate/keys
+    && chmod 700 /var/lib/specgate/keys /var/lib/specgate/keys/admin /var/lib/specgate/keys/worker
 USER specgate
 
 EXPOSE 8080 8501 9000

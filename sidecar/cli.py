@@ -30,6 +30,16 @@ def _pairs(values: list[str] | None, option: str, what: str) -> dict[str, str] |
     return out
 
 
+def _read_key(path: Path) -> str:
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        _fail(f"cannot read the worker key from {path}: {exc.strerror or exc}")
+    if not key:
+        _fail(f"the worker key file {path} is empty")
+    return key
+
+
 def build_settings(**options: Any) -> Any:
     """SidecarSettings from the environment, overridden by the options that were given."""
     from pydantic import ValidationError
@@ -46,7 +56,10 @@ def build_settings(**options: Any) -> Any:
 
 def sidecar(
     control_plane: Annotated[str | None, typer.Option("--control-plane", help="control plane base URL")] = None,
-    key: Annotated[str | None, typer.Option("--key", help="worker API key (sgk_...)")] = None,
+    key: Annotated[str | None, typer.Option("--key", help="worker API key (sgk_...); visible to every user in "
+                                            "`ps`: prefer --key-file or SPECGATE_KEY")] = None,
+    key_file: Annotated[Path | None, typer.Option("--key-file", help="file holding the worker API key "
+                                                  "(mode 0600)")] = None,
     engine: Annotated[list[str] | None, typer.Option("--engine", help="NAME=URL of an engine variant's "
                                                      "OpenAI-compatible server; repeatable")] = None,
     listen: Annotated[str | None, typer.Option("--listen", help="HOST:PORT to serve on")] = None,
@@ -65,19 +78,22 @@ def sidecar(
 ) -> None:
     """Run the worker sidecar: policy sync, per-request decisions, proxying, telemetry.
 
-    Every option can also come from the environment: SPECGATE_CONTROL_PLANE, SPECGATE_KEY,
+    Every option can also come from the environment: SPECGATE_CONTROL_PLANE, SPECGATE_KEY, SPECGATE_KEY_FILE,
     SPECGATE_ENGINES='{"base": "http://..."}', SPECGATE_LISTEN, SPECGATE_POOL, SPECGATE_LABELS,
     SPECGATE_ROUTES, SPECGATE_STATE_DIR, SPECGATE_PUBLIC_KEYS='["..."]', SPECGATE_WORKER_ID.
     OpenTelemetry export is on when OTEL_EXPORTER_OTLP_ENDPOINT is set.
     """
     settings = build_settings(
-        control_plane=control_plane, key=key, engines=_pairs(engine, "--engine", "NAME=URL"), listen=listen,
-        pool=pool, labels=_pairs(label, "--label", "k=v"), routes=_pairs(route, "--route", "PATH_OR_MODEL=ROUTE"),
-        state_dir=state_dir, public_keys=public_key or None, worker_id=worker_id)
+        control_plane=control_plane, key=key, key_file=key_file, engines=_pairs(engine, "--engine", "NAME=URL"),
+        listen=listen, pool=pool, labels=_pairs(label, "--label", "k=v"),
+        routes=_pairs(route, "--route", "PATH_OR_MODEL=ROUTE"), state_dir=state_dir, public_keys=public_key or None,
+        worker_id=worker_id)
     if not settings.engines:
         _fail("no engines: pass --engine NAME=URL (or set SPECGATE_ENGINES)")
+    if not settings.key and settings.key_file is not None:
+        settings.key = _read_key(settings.key_file)
     if not settings.key:
-        _fail("no worker key: pass --key or set SPECGATE_KEY")
+        _fail("no worker key: set SPECGATE_KEY or SPECGATE_KEY_FILE, or pass --key-file")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         _fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
 

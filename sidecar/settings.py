@@ -14,6 +14,8 @@ class SidecarSettings(BaseSettings):
 
     control_plane: str = Field(default="http://127.0.0.1:8080", description="control plane base URL")
     key: str = Field(default="", description="worker API key (sgk_...)")
+    # The key in a file (mode 0600) rather than in the environment or on a command line; ``key`` wins.
+    key_file: Path | None = Field(default=None, description="file holding the worker API key")
     worker_id: str = Field(default="", description="defaults to HOST:PORT of --listen")
     pool: str = "default"
     labels: dict[str, str] = Field(default_factory=dict)
@@ -33,6 +35,14 @@ class SidecarSettings(BaseSettings):
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0)
     engine_metrics_s: float = Field(default=0.5, gt=0, description="how often to scrape vllm:num_requests_running")
+    # What one client connection may hold of the sidecar's HTTP server (sidecar/server.py): bounded so that a
+    # huge or slowly sent request costs it little, whatever the client does.
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, description="request line + headers, else 431")
+    max_header_count: int = Field(default=128, ge=8, description="header lines per request, else 431")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="first byte to end of headers, else 408")
+    body_timeout_s: float = Field(default=60.0, gt=0, description="end of headers to end of body, else 408")
+    max_buffered_bytes: int = Field(default=1024 * 1024, ge=64 * 1024,
+                                    description="read ahead of the request being answered before reading pauses")
     # Keep vLLM's per-request ``metrics`` object in answers (it is stripped by default, as if the engines ran
     # without the per-request metrics flags): for debugging and for tests that compare telemetry with the engine.
     expose_engine_metrics: bool = False

@@ -77,8 +77,9 @@ def record_live(out: Path, *, say: Callable[[str], None], schedule: str = LIVE_S
             client.send(calls.create_revision("recommend-check", CHECK_POLICY, message="recommend-check"))
         listen = f"127.0.0.1:{sidecar_port}"
         sidecar = stack.add(devstack.spawn("sidecar", devstack.sidecar_command(
-            api_url=api, worker_key=worker, engine_urls=urls, listen=listen, pool=POOL,
-            state_dir=work / "sidecar", bundle_key=devstack.public_key(api)), work / "sidecar.log"))
+            api_url=api, engine_urls=urls, listen=listen, pool=POOL,
+            state_dir=work / "sidecar", bundle_key=devstack.public_key(api)), work / "sidecar.log",
+            env=devstack.sidecar_env(worker)))
         devstack.wait_sidecar(sidecar, f"http://{listen}", api, admin, worker_id=listen)
         started = dt.datetime.now(dt.UTC)
         say(f"sidecar ready; load generator: one route at a time ({', '.join(LIVE_ROUTES)}), schedule "

@@ -5,8 +5,11 @@ terminal reaches ``specgate up`` alone, which then stops the parts in order:
 traffic first, then the sidecar, which flushes its telemetry to the control
 plane that is still up, then the dashboard, then the engines). Every process
 is recorded (pid and start time) in ``DATA_DIR/run.json``; a later ``up``
-stops what an earlier one left behind when it was killed outright, and never
-signals a recycled pid.
+stops what an earlier one left behind, and never signals a recycled pid. Each
+part also dies with ``specgate up`` itself, process tree included, when that is
+killed outright (:mod:`testbed.lifeline`), and stopping goes on to the end when
+what ``up`` says can no longer be written (``make run | tee`` and a Ctrl-C
+that ends ``tee`` too).
 
 The engines come from an :class:`EngineStarter`. :class:`TestbedEngines` is the
 real one (vLLM's CPU build with the testbed's trained models); the tests use
@@ -31,6 +34,7 @@ from typing import Any, ClassVar, Protocol
 
 import httpx
 
+from testbed import lifeline
 from testbed.engines import process_start_ticks
 
 Say = Callable[[str], None]
@@ -173,7 +177,8 @@ class TestbedEngines:
             f"(about a minute each on 2 cores; logs in {self.state_dir})")
         t1 = time.monotonic()
         urls = engines.start(variants, base_port, state_dir=self.state_dir, timeout_s=self.timeout_s,
-                             testbed=models.Testbed(python=python, models=paths), quiet=False)
+                             testbed=models.Testbed(python=python, models=paths), quiet=False,
+                             die_with_parent=True)
         say(f"engines healthy after {time.monotonic() - t1:.0f} s")
         return urls
 
@@ -226,13 +231,19 @@ class Child:
         return self.process.returncode
 
 
-def spawn(name: str, cmd: Sequence[str], log: Path, *, env: Mapping[str, str] | None = None) -> Child:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {name}: {' '.join(cmd)}\n".encode())
-        out.flush()
+def spawn(name: str, cmd: Sequence[str], log: Path | None, *, env: Mapping[str, str] | None = None) -> Child:
+    """``cmd`` in a session of its own, tied to this process (it dies with it, see :mod:`testbed.lifeline`);
+    output to ``log`` (else nowhere). Secrets go in ``env``: a command line is readable by every user."""
+    grace_s = Stack.GRACE_S.get(name, 10.0)
+    with contextlib.ExitStack() as files:
+        out: Any = subprocess.DEVNULL
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            out = files.enter_context(log.open("ab"))
+            out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {name}: {' '.join(cmd)}\n".encode())
+            out.flush()
         process = subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
-            list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            lifeline.wrap(cmd, grace_s=grace_s), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(env) if env is not None else None, start_new_session=True)
     return Child(name, process, log, own_group=True, start_ticks=process_start_ticks(process.pid))
 
@@ -302,14 +313,22 @@ class Stack:
         self.engine_urls = starter.start(variants, base_port, self.say)
         return self.engine_urls
 
+    def _tell(self, line: str) -> None:
+        # Stopping must reach the last child even when nothing can be written any more (a closed pipe).
+        with contextlib.suppress(Exception):
+            self.say(line)
+
     def stop(self) -> None:
         rank = {name: i for i, name in enumerate(self.STOP_ORDER)}
         for child in sorted(self.children, key=lambda c: rank.get(c.name, len(rank))):
             if child.alive():
-                self.say(f"stopping {child.name}")
-            child.stop(self.GRACE_S.get(child.name, 10.0))
+                self._tell(f"stopping {child.name}")
+            try:
+                child.stop(self.GRACE_S.get(child.name, 10.0))
+            except Exception as exc:  # one child that cannot be stopped must not spare the rest
+                self._tell(f"could not stop {child.name}: {exc}")
         if self.engines is not None:
-            self.say("stopping engines")
+            self._tell("stopping engines")
             with contextlib.suppress(Exception):
                 self.engines.stop()
             self.engines = None
@@ -331,13 +350,23 @@ def public_key(api_url: str) -> str:
     return str(answer.json()["public_key"])
 
 
-def sidecar_command(*, api_url: str, worker_key: str, engine_urls: Mapping[str, str], listen: str, pool: str,
+def sidecar_command(*, api_url: str, engine_urls: Mapping[str, str], listen: str, pool: str,
                     state_dir: Path, bundle_key: str) -> list[str]:
-    cmd = [*cli_command(), "sidecar", "--control-plane", api_url, "--key", worker_key, "--listen", listen,
+    """The sidecar's command line; its worker key goes in its environment (:func:`sidecar_env`)."""
+    cmd = [*cli_command(), "sidecar", "--control-plane", api_url, "--listen", listen,
            "--pool", pool, "--state-dir", str(state_dir), "--public-key", bundle_key, "--log-level", "warning"]
     for name, url in engine_urls.items():
         cmd += ["--engine", f"{name}={url}"]
     return cmd
+
+
+def sidecar_env(worker_key: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The sidecar's environment: the worker key in ``SPECGATE_KEY``, where ``ps`` does not show it (a
+    process's environment is readable by its own user only, its command line by everyone)."""
+    env = dict(os.environ if base is None else base)
+    env.pop("SPECGATE_KEY_FILE", None)  # the key given here is the one to use
+    env["SPECGATE_KEY"] = worker_key
+    return env
 
 
 def wait_sidecar(child: Child, url: str, api_url: str, admin_key: str, worker_id: str,

@@ -6,7 +6,9 @@ testbed's engine environment and trained models (built once, then cached); real 
 engines; a sidecar in front of them (pool ``testbed``, a fresh worker key); a looping traffic
 generator over the testbed's routes; the dashboard. Every URL and the admin key are printed;
 Ctrl-C (or SIGTERM) stops everything this command started, and only that, also when start-up
-fails half way. ``--no-engines`` brings up only the control plane and the dashboard.
+fails half way and when its output can no longer be written (``make run | tee run.log``: the Ctrl-C
+ends ``tee`` too); killed outright, it takes what it started with it (:mod:`testbed.lifeline`).
+``--no-engines`` brings up only the control plane and the dashboard.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import importlib.util
 import os
 import signal
 import socket
-import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,7 +39,7 @@ from controlplane.auth.schemas import Scope
 from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
 from specgate import stack as devstack
-from testbed.engines import ports_for, process_start_ticks
+from testbed.engines import ports_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "policies" / "examples"
 # (file, pool): the seed policy serves every pool without a policy of its own.
@@ -55,8 +57,28 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+def _write(text: str, *, err: bool = False, color: str | None = None) -> None:
+    """Print, or nothing once the output is gone: a closed pipe must never cut the stop short."""
+    try:
+        typer.secho(text, err=err, fg=color)
+    except (OSError, ValueError):  # EPIPE, or a stream already closed
+        _silence_output()
+
+
+def _silence_output() -> None:
+    """Send the rest of this process's output (prints, logs, the flush at exit) to /dev/null, so that
+    nothing written later fails again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+
+
 def _say(line: str) -> None:
-    typer.echo(f"[{time.strftime('%H:%M:%S')}] {line}")
+    _write(f"[{time.strftime('%H:%M:%S')}] {line}")
 
 
 def _policy_or_none(api: ApiClient, name: str) -> Policy | None:
@@ -101,7 +123,7 @@ def _load_testbed_policy(base_url: str, token: str, engines: list[str]) -> str:
 
 
 def _start_dashboard(host: str, port: int, api_url: str, token: str,
-                     log: Path | None = None) -> tuple[subprocess.Popen[bytes] | None, str]:
+                     log: Path | None = None) -> tuple[devstack.Child | None, str]:
     """The dashboard beside the control plane, signed in with the admin key; (process, banner line)."""
     if port == 0:
         return None, "off (--dashboard-port 0)"
@@ -111,8 +133,9 @@ def _start_dashboard(host: str, port: int, api_url: str, token: str,
         return None, f"not started: {host}:{port} is in use (pass --dashboard-port)"
     from dashboard import launch
 
-    process = launch.start(host=host, port=port, api_url=api_url, api_key=token, log=log)
-    return process, f"http://{host}:{port}  (signed in with the admin key)"
+    child = devstack.spawn("dashboard", launch.command(host=host, port=port), log,
+                           env=launch.environment(api_url, token))
+    return child, f"http://{host}:{port}  (signed in with the admin key)"
 
 
 class _Stop(KeyboardInterrupt):
@@ -125,7 +148,10 @@ def _stop_signals() -> Iterator[None]:
     def stop(signum: int, frame: FrameType | None) -> None:
         raise _Stop()
 
+    # A write to a closed pipe must fail with EPIPE, which the stop survives, and never kill this process
+    # half way through stopping (SIGPIPE). Python's default, made sure of here.
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGPIPE] = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     try:
         yield
     finally:
@@ -137,7 +163,7 @@ def _stop_signals() -> Iterator[None]:
 def _signals_deferred() -> Iterator[None]:
     """While stopping: a second Ctrl-C must not cut the stop short and leave processes behind."""
     def later(signum: int, frame: FrameType | None) -> None:
-        typer.echo("still stopping (processes this command started are being stopped)...")
+        _write("still stopping (processes this command started are being stopped)...")
 
     previous = {sig: signal.signal(sig, later) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -189,13 +215,13 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
         try:
             thread.start()
             _wait_ready(plan.base)
-            typer.echo(_start_parts(plan, stack, token, worker_token))
+            _write(_start_parts(plan, stack, token, worker_token))
             _watch(thread, stack)
         except KeyboardInterrupt:
-            typer.echo("stopping...")
+            _write("stopping...")
         except (devstack.StartupError, RuntimeError, TimeoutError, OSError, httpx.HTTPError, ApiError) as exc:
-            typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
-            typer.echo("stopping what was started...")
+            _write(f"error: {exc}", err=True, color=typer.colors.RED)
+            _write("stopping what was started...")
             exit_code = 1
         finally:
             _stop(stack, server, thread)
@@ -271,8 +297,7 @@ def _start_parts(plan: _Plan, stack: devstack.Stack, token: str, worker_token: s
     dashboard, dashboard_line = _start_dashboard(plan.host, plan.dashboard_port, plan.base, token,
                                                  log=plan.data_dir / "dashboard.log" if plan.with_engines else None)
     if dashboard is not None:
-        stack.add(devstack.Child("dashboard", dashboard, None, own_group=False,
-                                 start_ticks=process_start_ticks(dashboard.pid)))
+        stack.add(dashboard)
     return _banner(plan.base, dashboard_line, plan.database_url, loaded, token, lines)
 
 
@@ -288,8 +313,9 @@ def _start_testbed(plan: _Plan, stack: devstack.Stack, token: str,
     listen = f"{plan.host}:{plan.sidecar_port}"
     sidecar_url = f"http://{listen}"
     child = stack.add(devstack.spawn("sidecar", devstack.sidecar_command(
-        api_url=base, worker_key=worker_token, engine_urls=urls, listen=listen, pool=devstack.TESTBED_POOL,
-        state_dir=data_dir / "sidecar", bundle_key=devstack.public_key(base)), logs / "sidecar.log"))
+        api_url=base, engine_urls=urls, listen=listen, pool=devstack.TESTBED_POOL,
+        state_dir=data_dir / "sidecar", bundle_key=devstack.public_key(base)), logs / "sidecar.log",
+        env=devstack.sidecar_env(worker_token)))
     devstack.wait_sidecar(child, sidecar_url, base, token, worker_id=listen)
     _say(f"sidecar {sidecar_url} registered with the control plane (pool {devstack.TESTBED_POOL})")
     lines = [(f"engine {name}", url) for name, url in urls.items()]

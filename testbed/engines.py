@@ -1,7 +1,9 @@
 """Local vLLM engine variants (CPU build): start, wait for health, record, stop exactly what was started.
 
 Each engine runs in its own process group (vLLM spawns an engine core and a
-worker), so stopping signals the group and nothing else. The state file
+worker), so stopping signals the group and nothing else. Engines started with
+``die_with_parent`` (``specgate up``) also end, group and all, when the process
+that started them dies (:mod:`testbed.lifeline`). The state file
 records pid, process start time, port and log of each, so a later command
 (``specgate testbed stop``) stops them, and a recycled pid is never signalled.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from testbed import env
+from testbed import env, lifeline
 from testbed.models import ModelPaths, Testbed, ensure
 from testbed.paths import REPO_ROOT, cache_dir, file_lock
 
@@ -30,6 +32,7 @@ MODEL_NAME = "specgate-tiny"
 DEFAULT_BASE_PORT = 8100
 NGRAM_K = 4
 DRAFT_K = 3
+ENGINE_STOP_GRACE_S = 20.0  # from SIGTERM to SIGKILL
 
 
 def state_dir_default() -> Path:
@@ -152,7 +155,7 @@ def _signal_group(record: EngineRecord, sig: int) -> None:
         os.killpg(record.pid, sig)  # the engine leads its own group (start_new_session)
 
 
-def _terminate(record: EngineRecord, grace_s: float = 20.0) -> None:
+def _terminate(record: EngineRecord, grace_s: float = ENGINE_STOP_GRACE_S) -> None:
     _signal_group(record, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while is_alive(record) and time.monotonic() < deadline:
@@ -161,6 +164,10 @@ def _terminate(record: EngineRecord, grace_s: float = 20.0) -> None:
         _signal_group(record, signal.SIGKILL)
     child = _CHILDREN.pop(record.pid, None)
     if child is not None:
+        # A vLLM process the server left behind (a worker that ignored SIGTERM) is still in the group. Until
+        # it is reaped, the leader's pid cannot be taken by another process, so the group is still ours.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(record.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=5)
 
@@ -193,12 +200,15 @@ def cpu_binding(variant: str, cpus: Sequence[int] | None = None) -> dict[str, st
 
 def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT, *,
           state_dir: Path | None = None, timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None,
-          testbed: Testbed | None = None, quiet: bool = True) -> dict[str, str]:
+          testbed: Testbed | None = None, quiet: bool = True, die_with_parent: bool = False) -> dict[str, str]:
     """Start the variants not already running (building environment and models if needed, unless ``testbed``
     names them); wait until all answer /health; return name -> base URL (``http://127.0.0.1:PORT``, OpenAI
     paths under ``/v1``, served model name ``MODEL_NAME``).
 
     On failure or timeout every engine this call started is stopped again, and the error names the log.
+    ``die_with_parent``: the engines (vLLM's worker processes included) end when this process dies, for a
+    caller that owns them for its lifetime; without it they outlive the caller (``specgate testbed start``).
+    Call it from the main thread then: the kernel watches the thread that started them.
     """
     testbed = testbed or ensure(quiet=quiet)
     state = StateFile(state_dir or state_dir_default())
@@ -218,8 +228,9 @@ def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT
             with log.open("ab") as out:
                 out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} start {name} on port {port}\n".encode())
                 out.flush()
+                cmd = [str(testbed.python), *server_args(name, port, testbed.models)]
                 proc = subprocess.Popen(  # noqa: S603
-                    [str(testbed.python), *server_args(name, port, testbed.models)],
+                    lifeline.wrap(cmd, grace_s=ENGINE_STOP_GRACE_S) if die_with_parent else cmd,
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env=env.engine_env({**_compile_cache(name), **cpu_binding(name), **(extra_env or {})}),
                     start_new_session=True,

@@ -433,3 +433,87 @@ def test_the_image_builds_from_python_slim_and_installs_the_project() -> None:
     assert "COPY . ." in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", ".env"} <= set(ignored)
+
+
+# --- who can read which key ------------------------------------------------------------------------
+
+# The services that may mount each key: the init job that writes it, and the one service that uses it.
+KEY_USERS = {"admin.key": {"controlplane-init", "policy-init"}, "worker.key": {"controlplane-init", "sidecar"}}
+
+
+def _mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source, target) of each volume or bind mount of a service (short syntax)."""
+    return [(volume.split(":")[0], volume.split(":")[1]) for volume in service.get("volumes") or []]
+
+
+def _key_files(compose: dict[str, Any]) -> dict[str, str]:
+    """key file name -> the path controlplane-init writes it to."""
+    written = re.findall(r">\s*(\S+\.key)\b", _script(compose["services"]["controlplane-init"]))
+    return {Path(path).name: path for path in written}
+
+
+def _volume_holding(service: dict[str, Any], path: str) -> str:
+    """The source of the service's mount that ``path`` lies in (the deepest one)."""
+    holding = [(target, source) for source, target in _mounts(service)
+               if path == target or path.startswith(target.rstrip("/") + "/")]
+    assert holding, f"{path} is on no mount: the key would vanish with the container"
+    return max(holding)[1]
+
+
+def test_only_the_service_that_uses_a_key_can_read_it(compose: dict[str, Any]) -> None:
+    """The client-facing sidecar must never see the admin key: each key lives in a volume of its own,
+    mounted only by the init job that writes it and the one service that uses it."""
+    services = compose["services"]
+    files = _key_files(compose)
+    assert set(files) == set(KEY_USERS)
+    volumes = {name: _volume_holding(services["controlplane-init"], path) for name, path in files.items()}
+    assert len(set(volumes.values())) == len(volumes), f"keys share a volume: {volumes}"
+    for name, volume in volumes.items():
+        assert not volume.startswith((".", "/")), f"{name} is written to a host directory"
+        readers = {service for service, spec in services.items() if volume in dict(_mounts(spec))}
+        assert readers <= KEY_USERS[name], f"{name} (volume {volume}) is mounted by {sorted(readers)}"
+        assert readers == KEY_USERS[name], f"{name} (volume {volume}) is not mounted where it is used"
+    # and each user reads it where its volume is mounted
+    assert files["admin.key"] in _script(services["policy-init"])
+    sidecar_env = _env(services["sidecar"])
+    assert sidecar_env["SPECGATE_KEY_FILE"] == files["worker.key"]
+    assert _volume_holding(services["sidecar"], files["worker.key"]) == volumes["worker.key"]
+    assert _volume_holding(services["policy-init"], files["admin.key"]) == volumes["admin.key"]
+
+
+def test_the_key_volumes_start_private_to_the_image_user(compose: dict[str, Any]) -> None:
+    """An empty named volume takes the owner and mode of its mount point in the image."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    chmod = re.search(r"chmod 700 ([^\n\\]+)", dockerfile)
+    assert chmod, "the Dockerfile makes no key directory private"
+    private = set(chmod.group(1).split())
+    for name, path in _key_files(compose).items():
+        target = str(Path(path).parent)
+        assert target in private, f"{name}: the mount point {target} is not made mode 700 in the image"
+        assert re.search(rf"mkdir -p [^\n]*{re.escape(target)}\b", dockerfile), target
+
+
+def test_the_sidecar_reads_its_worker_key_from_the_key_file(compose: dict[str, Any], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    import sidecar.main
+
+    seen: list[SidecarSettings] = []
+    monkeypatch.setattr(sidecar.main, "run", lambda settings, log_level="info": seen.append(settings))
+    for key, value in _env(compose["services"]["sidecar"]).items():
+        monkeypatch.setenv(key, value)
+    key_file = tmp_path / "worker.key"
+    key_file.write_text("sgk_from_the_file\n")
+    monkeypatch.setenv("SPECGATE_KEY_FILE", str(key_file))
+    result = CliRunner().invoke(app, ["sidecar"])
+    assert result.exit_code == 0, result.output
+    assert seen[0].key == "sgk_from_the_file"
+    monkeypatch.setenv("SPECGATE_KEY", "sgk_from_env")  # SPECGATE_WORKER_KEY in .env
+    assert CliRunner().invoke(app, ["sidecar"]).exit_code == 0
+    assert seen[1].key == "sgk_from_env"
+    key_file.unlink()
+    monkeypatch.setenv("SPECGATE_KEY", "")
+    result = CliRunner().invoke(app, ["sidecar"])
+    assert result.exit_code == 2
+    assert "cannot read the worker key" in result.output

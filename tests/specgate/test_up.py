@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ def _start_up(tmp_path: Path, starter: str, *extra: str) -> tuple[subprocess.Pop
     return proc, ports
 
 
-def _read_until(proc: subprocess.Popen[str], out: queue.Queue[str], marker: str, timeout_s: float) -> str:
+def _read_until(proc: subprocess.Popen[Any], out: queue.Queue[str], marker: str, timeout_s: float) -> str:
     text = ""
     deadline = time.monotonic() + timeout_s
     while marker not in text:
@@ -212,6 +213,10 @@ def test_up_registers_a_sidecar_turns_traffic_into_telemetry_and_sigint_stops_ev
         assert re.search(rf"dashboard +http://127.0.0.1:{ports['dashboard']}\b", text), text
         children = _children(data)
         assert set(children) == {"sidecar", "loadgen", "dashboard", "engines"}
+        # Keys travel in the environment or files: a command line is readable by every user (`ps`).
+        tree = _descendants(proc.pid)
+        assert len(tree) >= len(children)
+        assert not {pid: line for pid, line in _cmdlines(tree).items() if "sgk_" in line}
 
         with httpx.Client(base_url=base.group(1), headers={"Authorization": f"Bearer {key.group(1)}"},
                           timeout=10) as api:
@@ -254,6 +259,182 @@ def test_up_registers_a_sidecar_turns_traffic_into_telemetry_and_sigint_stops_ev
         _cleanup(proc, data)
 
 
+
+
+# --- output that goes away, and a parent killed outright --------------------------------------
+
+def _descendants(root: int) -> dict[int, int]:
+    """pid -> start ticks of every living process below ``root``."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        parent = todo.pop()
+        for pid, ppid in parents.items():
+            ticks = process_start_ticks(pid)
+            if ppid == parent and pid not in found and ticks is not None:
+                found[pid] = ticks
+                todo.append(pid)
+    return found
+
+
+def _cmdlines(pids: dict[int, int]) -> dict[int, str]:
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return out
+
+
+def _still_running(pids: dict[int, int], timeout_s: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = {pid: ticks for pid, ticks in pids.items() if process_start_ticks(pid) == ticks}
+        if not alive or time.monotonic() > deadline:
+            return _cmdlines(alive)
+        time.sleep(0.2)
+
+
+def _kill_all(pids: dict[int, int]) -> None:
+    for pid, ticks in pids.items():
+        if process_start_ticks(pid) == ticks:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# Passes its input on, like `tee`: killing it is what a Ctrl-C does to `make run 2>&1 | tee run.log`.
+_RELAY = "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n    sys.stdout.flush()\n"
+
+
+def _up_light(tmp_path: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[str], dict[str, int]]:
+    """``specgate up --no-engines`` with its output through a relay; (up, relay, ports)."""
+    ports = {"port": free_port(), "dashboard": free_port()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [*specgate_command(), "up", "--no-engines", "--data-dir", str(tmp_path / "data"),
+           "--port", str(ports["port"]), "--dashboard-port", str(ports["dashboard"])]
+    up = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          start_new_session=True, preexec_fn=ctrl_c_as_at_a_terminal)
+    relay = subprocess.Popen([sys.executable, "-c", _RELAY], stdin=up.stdout, stdout=subprocess.PIPE, text=True)
+    assert up.stdout is not None
+    up.stdout.close()  # the relay holds the only reading end now
+    return up, relay, ports
+
+
+def _stop_light(up: subprocess.Popen[bytes], relay: subprocess.Popen[str], tree: dict[int, int]) -> None:
+    for proc in (relay, up):
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    _kill_all(tree)
+
+
+def test_ctrl_c_stops_every_child_when_the_output_pipe_is_gone(tmp_path: Path) -> None:
+    """`make run 2>&1 | tee run.log` and Ctrl-C: `tee` dies too, every line `up` writes while stopping meets a
+    closed pipe, and still everything it started stops."""
+    up, relay, ports = _up_light(tmp_path)
+    tree: dict[int, int] = {}
+    try:
+        assert relay.stdout is not None
+        _read_until(up, line_queue(relay.stdout), "Ctrl-C stops everything", 120)
+        tree = _descendants(up.pid)
+        assert tree, "the dashboard is not running"
+        relay.kill()
+        relay.wait(10)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert _still_running(tree, 10) == {}
+        assert _refused(f"http://127.0.0.1:{ports['port']}/healthz")
+        assert _refused(f"http://127.0.0.1:{ports['dashboard']}/")
+    finally:
+        _stop_light(up, relay, tree)
+
+
+def test_what_up_started_dies_with_it_when_it_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves `up` no chance to stop anything: its children go by the parent-death signal."""
+    up, relay, _ = _up_light(tmp_path)
+    tree: dict[int, int] = {}
+    try:
+        assert relay.stdout is not None
+        _read_until(up, line_queue(relay.stdout), "Ctrl-C stops everything", 120)
+        tree = _descendants(up.pid)
+        assert tree, "the dashboard is not running"
+        up.kill()
+        up.wait(10)
+        assert _still_running(tree, 20) == {}
+    finally:
+        _stop_light(up, relay, tree)
+
+
+# A launcher that starts a stand-in child (which starts one of its own) with the stack's launcher, prints
+# the pids, and waits to be killed.
+_LAUNCH = """
+import sys, time
+from pathlib import Path
+from specgate import stack
+tree = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \
+       "time.sleep(600)"
+child = stack.spawn("sidecar", [sys.executable, "-c", tree], Path(sys.argv[1]))
+print(child.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_stack_launcher_ties_a_child_and_its_own_children_to_the_launcher(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
+                                                       if p)}
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCH, str(tmp_path / "child.log")], stdout=subprocess.PIPE,
+                                text=True, env=env)
+    tree: dict[int, int] = {}
+    try:
+        assert launcher.stdout is not None
+        launcher.stdout.readline()
+        deadline = time.monotonic() + 20
+        while len(tree) < 3 and time.monotonic() < deadline:  # the supervisor, the child, its child
+            tree = _descendants(launcher.pid)
+            time.sleep(0.1)
+        assert len(tree) == 3, _cmdlines(tree)
+        launcher.kill()
+        launcher.wait(10)
+        assert _still_running(tree, 15) == {}
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        _kill_all(tree)
+
+
+def test_stopping_the_stack_reaches_every_child_when_nothing_can_be_written(tmp_path: Path) -> None:
+    def broken(line: str) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    stack = devstack.Stack(data_dir=tmp_path, say=broken)
+    for name in ("loadgen", "sidecar", "dashboard"):
+        stack.add(devstack.spawn(name, [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / name))
+    processes = [child.process for child in stack.children]
+    try:
+        stack.stop()
+        assert [p.poll() is not None for p in processes] == [True, True, True]
+        assert not (tmp_path / "run.json").exists()
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(5)
+
+
+def test_the_sidecar_gets_its_key_from_the_environment_not_the_command_line() -> None:
+    cmd = devstack.sidecar_command(api_url="http://127.0.0.1:1", engine_urls={"base": "http://127.0.0.1:2"},
+                                   listen="127.0.0.1:3", pool="testbed", state_dir=Path("s"), bundle_key="pk")
+    assert "--key" not in cmd
+    env = devstack.sidecar_env("sgk_secret", {"SPECGATE_KEY_FILE": "/elsewhere", "PATH": "/bin"})
+    assert env == {"SPECGATE_KEY": "sgk_secret", "PATH": "/bin"}
 
 
 def test_sigterm_during_engine_start_up_stops_the_engines_already_started(tmp_path: Path) -> None:

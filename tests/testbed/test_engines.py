@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -175,3 +176,107 @@ def test_plain_and_speculative_engines_are_bound_to_different_cores(monkeypatch:
 def test_an_explicit_binding_in_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert engines.cpu_binding("draft", [0, 1]) == {}
+
+
+# A stand-in for the engine environment's interpreter: ignores vLLM's arguments but --port, starts a child
+# of its own (vLLM's engine core) that ignores SIGTERM when FAKE_CHILD_IGNORES_TERM is set, writes both
+# pids to PORT.pids in its working directory (the state directory) and answers /health.
+_FAKE_VLLM = """
+import http.server, os, signal, subprocess, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if os.environ.get("FAKE_CHILD_IGNORES_TERM") else ""
+kid = subprocess.Popen([sys.executable, "-c", f"import signal, time; {ignore}time.sleep(600)"])
+with open(f"{port}.pids", "w") as out:
+    out.write(f"{os.getpid()} {kid.pid}\\n")
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _fake_vllm(tmp_path: Path) -> Path:
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(_FAKE_VLLM)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.chmod(0o755)
+    return python
+
+
+def _engine_pids(state: Path, port: int) -> dict[int, int | None]:
+    pids = [int(p) for p in (state / f"{port}.pids").read_text().split()]
+    return {pid: engines.process_start_ticks(pid) for pid in pids}
+
+
+def _still_alive(pids: dict[int, int | None], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pid for pid, ticks in pids.items() if ticks is not None and engines.process_start_ticks(pid) == ticks]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _kill(pids: dict[int, int | None]) -> None:
+    for pid in _still_alive(pids, 0):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_also_ends_what_the_engine_left_in_its_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server exits on SIGTERM; a worker of its that ignores SIGTERM must not stay behind."""
+    from tests.support.live import free_port
+
+    monkeypatch.setenv("FAKE_CHILD_IGNORES_TERM", "1")
+    port = free_port()
+    testbed = Testbed(python=_fake_vllm(tmp_path), models=MODELS)
+    engines.start(["base"], port, state_dir=tmp_path, testbed=testbed, timeout_s=30)
+    pids = _engine_pids(tmp_path, port)
+    try:
+        assert engines.stop(state_dir=tmp_path) == ["base"]
+        assert _still_alive(pids, 5) == []
+    finally:
+        _kill(pids)
+
+
+_LAUNCHER = """
+import sys, time
+from pathlib import Path
+from testbed import engines
+from testbed.models import ModelPaths, Testbed
+models = ModelPaths(root=Path("/m"), target=Path("/m/target"), draft=Path("/m/draft"))
+engines.start(["base"], int(sys.argv[1]), state_dir=Path(sys.argv[2]), timeout_s=30,
+              testbed=Testbed(python=Path(sys.argv[3]), models=models), die_with_parent=True)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_engines_started_to_die_with_their_parent_go_when_it_is_killed(tmp_path: Path) -> None:
+    """``specgate up`` killed outright (SIGKILL): its engines and their worker processes go too."""
+    from tests.support.live import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(engines.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(port), str(tmp_path), str(_fake_vllm(tmp_path))],
+                                stdout=subprocess.PIPE, text=True, env=env)
+    assert launcher.stdout is not None
+    pids: dict[int, int | None] = {}
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        record = engines.StateFile(tmp_path).read()["base"]
+        pids = {record.pid: record.start_ticks, **_engine_pids(tmp_path, port)}
+        assert len(_still_alive(pids, 0)) == 3  # the supervisor, the server and its child
+        launcher.kill()
+        launcher.wait(10)
+        assert _still_alive(pids, 15) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        _kill(pids)
