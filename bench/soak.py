@@ -84,6 +84,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from bench.loadgen import percentile
 from bench.machine import machine_facts
 from bench.soak_procs import (
     Part,
@@ -1013,16 +1014,6 @@ def read_events(url: str) -> list[dict[str, Any]]:
 
 
 # --- the report -----------------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _ms(value: float | None) -> float | None:

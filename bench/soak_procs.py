@@ -15,7 +15,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.proxy import free_port
 from testbed import lifeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +40,6 @@ _DROP_PRIVILEGES = ("import os, sys; os.setgroups([]); os.setgid(int(sys.argv[2]
 
 class SoakError(RuntimeError):
     """A part of the soak could not be started or stopped: the run cannot go on."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

@@ -249,7 +249,8 @@ def test_plain_and_gzip_batches_are_stored_field_for_field(client: TestClient, w
                                                            db: Engine) -> None:
     r = post(client, worker_key, batch("b-plain", [event(1), event(2)]), compress=False)
     assert r.status_code == 200, r.text
-    assert r.json() == {"batch_id": "b-plain", "accepted": 2, "stored": 2, "rejected": [], "rejected_count": 0, "duplicate": False}
+    assert r.json() == {"batch_id": "b-plain", "accepted": 2, "stored": 2, "rejected": [], "rejected_count": 0,
+                        "duplicate": False}
     offset = event(3, time="2026-12-02T12:00:30.250+02:00", structured_valid=True, fallback_reason="read_timeout",
                    ttft_ms=None, spec_draft_tokens=None)
     naive = event(4, time="2026-12-02T10:05:00")
