@@ -274,28 +274,9 @@ class TestbedEngines:
 
         self.engines = engines
         self.state_dir = work / "engines"
-        self.base_port = self._free_base_port(18700)
+        self.base_port = engines.free_base_port(ENGINES, 18700)
         self.urls = {n: f"http://127.0.0.1:{p}" for n, p in engines.ports_for(ENGINES, self.base_port).items()}
         self.testbed: Any = None
-
-    def _free_base_port(self, start: int) -> int:
-        for base in range(start, start + 400, 10):
-            ports = self.engines.ports_for(ENGINES, base).values()
-            if all(self._port_free(p) for p in ports):
-                return base
-        raise SoakError(f"no free ports for the engines from {start} on")
-
-    @staticmethod
-    def _port_free(port: int) -> bool:
-        import socket
-
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
 
     def start_all(self) -> None:
         from testbed.models import ensure

@@ -233,23 +233,6 @@ class Postgres:
 # --- memory of process groups --------------------------------------------------------------------
 
 
-def _group_pids() -> dict[int, list[int]]:
-    """Process group id -> its live processes, from /proc."""
-    groups: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] in ("Z", "X"):
-            continue
-        groups.setdefault(int(fields[2]), []).append(int(entry))
-    return groups
-
-
 def _psutil() -> Any:
     # The bench extra installs psutil; without it /proc does (Linux only, as is the soak).
     try:
@@ -289,7 +272,7 @@ def process_memory(pid: int) -> tuple[float, float] | None:
 
 def group_memory(pgids: Mapping[str, int | None]) -> dict[str, tuple[float, float, int]]:
     """name -> (RSS MiB, PSS MiB, processes) summed over each process group that is alive."""
-    groups = _group_pids()
+    groups = lifeline.process_groups()
     out = {}
     for name, pgid in pgids.items():
         if pgid is None or pgid not in groups:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -71,6 +72,25 @@ def ports_for(variants: Iterable[str], base_port: int) -> dict[str, int]:
             raise ValueError(f"unknown engine variant {name!r}; known: {', '.join(VARIANTS)}")
         out[name] = base_port + VARIANTS.index(name)
     return out
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``port`` as vLLM's does (SO_REUSEADDR: a TIME_WAIT does not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port(variants: Iterable[str], start: int, *, tries: int = 40) -> int:
+    """The first base port from ``start`` (in steps of 10) at which every variant's port is free."""
+    for base in range(start, start + 10 * tries, 10):
+        if all(port_free(p) for p in ports_for(variants, base).values()):
+            return base
+    raise RuntimeError(f"no free ports for the engines {', '.join(variants)} from {start} on")
 
 
 @dataclass

@@ -58,20 +58,26 @@ def _prctl_pdeathsig(sig: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def _group_members(pgrp: int) -> list[int]:
-    """The processes of group ``pgrp`` other than this one (field 5 of /proc/PID/stat)."""
-    me, found = os.getpid(), []
+def process_groups() -> dict[int, list[int]]:
+    """Process group id -> its live processes (field 5 of /proc/PID/stat; zombies left out)."""
+    groups: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
+        if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgrp and fields[0] not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+        if fields[0] not in ("Z", "X"):
+            groups.setdefault(int(fields[2]), []).append(int(entry))
+    return groups
+
+
+def _group_members(pgrp: int) -> list[int]:
+    """The processes of group ``pgrp`` other than this one."""
+    me = os.getpid()
+    return [pid for pid in process_groups().get(pgrp, []) if pid != me]
 
 
 def _kill_leftovers(pgrp: int) -> None:

@@ -4,7 +4,7 @@ import asyncio
 import base64
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -694,35 +694,51 @@ def test_worker_in_canary_is_sticky_monotonic_and_near_the_percent() -> None:
 
 # -- concurrency ---------------------------------------------------------------------------------------
 
-def test_concurrent_starts_of_one_policy_serialise_and_the_second_gets_409(
-        db: Db, seeded: tuple[str, list[str]]) -> None:
-    _, (_, rev1, rev2) = seeded
-    outcome: list[BaseException | str] = []
+def _second_waits_on_the_policy_lock(db: Db, first: Callable[[Session], Any],
+                                     second: Callable[[Session], Any]) -> Any:
+    """Run ``first`` in a transaction that holds the policy lock, ``second`` meanwhile in another thread, which
+    must wait until the first commits; what ``second`` returned or raised."""
+    outcome: list[Any] = []
 
-    def second() -> None:
+    def run_second() -> None:
         try:
             with unit_of_work(db.sessions) as session:
-                rollout, _ = start_rollout(session, RolloutCreate(
-                    policy="seed", revision=rev2, mode=RolloutMode.workers, steps=[100], reason="b"),
-                    actor="operator:b")
-                outcome.append(rollout.id)
+                outcome.append(second(session))
         except BaseException as exc:
             outcome.append(exc)
 
-    with unit_of_work(db.sessions) as first:
-        winner, _ = start_rollout(first, RolloutCreate(
-            policy="seed", revision=rev1, mode=RolloutMode.workers, steps=[50, 100], reason="a"),
-            actor="operator:a")
-        thread = threading.Thread(target=second)
+    with unit_of_work(db.sessions) as session:
+        first(session)
+        thread = threading.Thread(target=run_second)
         thread.start()
-        # The second start waits on the policy lock the first one holds until it commits.
         thread.join(0.5)
         assert thread.is_alive()
     thread.join(30)
     assert not thread.is_alive()
     [result] = outcome
+    return result
+
+
+def test_concurrent_starts_of_one_policy_serialise_and_the_second_gets_409(
+        db: Db, seeded: tuple[str, list[str]]) -> None:
+    _, (_, rev1, rev2) = seeded
+    winner: list[str] = []
+
+    def first(session: Session) -> None:
+        rollout, _ = start_rollout(session, RolloutCreate(
+            policy="seed", revision=rev1, mode=RolloutMode.workers, steps=[50, 100], reason="a"),
+            actor="operator:a")
+        winner.append(rollout.id)
+
+    def second(session: Session) -> str:
+        rollout, _ = start_rollout(session, RolloutCreate(
+            policy="seed", revision=rev2, mode=RolloutMode.workers, steps=[100], reason="b"),
+            actor="operator:b")
+        return rollout.id
+
+    result = _second_waits_on_the_policy_lock(db, first, second)
     assert isinstance(result, Conflict), result
-    assert result.extra == {"state": "running", "rollout": winner.id}
+    assert result.extra == {"state": "running", "rollout": winner[0]}
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(Rollout).where(Rollout.state == "running")) == 1
 
@@ -763,29 +779,18 @@ def test_concurrent_promotes_of_one_step_serialise_and_the_second_is_stale(
 
     _, (_, rev1, _) = seeded
     ro = start(client, operator, rev1).json()
-    outcome: list[BaseException | int] = []
 
-    def second() -> None:
-        try:
-            with unit_of_work(db.sessions) as session:
-                rollout, _ = apply_action(session, ro["id"], RolloutAction.promote, actor="operator:b",
-                                          reason="b", expected_step=0)
-                outcome.append(rollout.current_step)
-        except BaseException as exc:
-            outcome.append(exc)
+    def promote_as(actor: str) -> Callable[[Session], int]:
+        def promote(session: Session) -> int:
+            rollout, _ = apply_action(session, ro["id"], RolloutAction.promote, actor=f"operator:{actor}",
+                                      reason=actor, expected_step=0)
+            return rollout.current_step
+        return promote
 
-    with unit_of_work(db.sessions) as first:
-        winner, _ = apply_action(first, ro["id"], RolloutAction.promote, actor="operator:a", reason="a",
-                                 expected_step=0)
-        assert winner.current_step == 1
-        thread = threading.Thread(target=second)
-        thread.start()
-        # The second promote waits on the policy lock the first holds until it commits.
-        thread.join(0.5)
-        assert thread.is_alive()
-    thread.join(30)
-    assert not thread.is_alive()
-    [result] = outcome
+    def first(session: Session) -> None:
+        assert promote_as("a")(session) == 1
+
+    result = _second_waits_on_the_policy_lock(db, first, promote_as("b"))
     assert isinstance(result, StaleStep), result
     assert result.extra == {"state": "running", "current_step": 1}
     assert [s.outcome for s in db.steps(ro["id"])] == ["promoted", None, None]

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 import pytest
@@ -94,20 +95,26 @@ def test_invocations_is_refused_not_passed_through_undecided(make_sidecar: Sidec
     assert "/invocations" in resp.json()["detail"]
 
 
+def _stream_until(sidecar: Any, request_id: str, stop_at: bytes) -> Any:
+    """Stream a chat completion, close once ``stop_at`` has been read, and return the one event it made."""
+    with httpx.stream("POST", sidecar.url + "/v1/chat/completions",
+                      json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+                      headers={"X-Specgate-Route": "chat", "X-Request-Id": request_id}) as response:
+        seen = b""
+        for chunk in response.iter_raw():
+            seen += chunk
+            if stop_at in seen:
+                break
+    wait_for(lambda: len(sidecar.exporter.events) == 1, timeout=3)
+    return sidecar.exporter.one()
+
+
 @pytest.mark.parametrize("server", ["specgate", "uvicorn"])
 def test_a_stream_read_to_done_counts_as_delivered(make_sidecar: SidecarFactory, slow_to_close_engine: str,
                                                    server: str) -> None:
     sidecar = make_sidecar(engines={"base": slow_to_close_engine}, server=server)
-    with httpx.stream("POST", sidecar.url + "/v1/chat/completions",
-                      json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
-                      headers={"X-Specgate-Route": "chat", "X-Request-Id": "done-1"}) as response:
-        seen = b""
-        for chunk in response.iter_raw():
-            seen += chunk
-            if b"data: [DONE]" in seen:
-                break  # as loadgen and many clients do: close once [DONE] is read
-    wait_for(lambda: len(sidecar.exporter.events) == 1, timeout=3)
-    event = sidecar.exporter.one()
+    # As loadgen and many clients do: close once [DONE] is read.
+    event = _stream_until(sidecar, "done-1", b"data: [DONE]")
     assert (event.request_id, event.status) == ("done-1", "ok")
 
 
@@ -115,14 +122,7 @@ def test_a_stream_read_to_done_counts_as_delivered(make_sidecar: SidecarFactory,
 def test_a_stream_left_before_done_is_a_client_disconnect(make_sidecar: SidecarFactory, slow_to_close_engine: str,
                                                           server: str) -> None:
     sidecar = make_sidecar(engines={"base": slow_to_close_engine}, server=server)
-    with httpx.stream("POST", sidecar.url + "/v1/chat/completions",
-                      json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
-                      headers={"X-Specgate-Route": "chat", "X-Request-Id": "done-2"}) as response:
-        for chunk in response.iter_raw():
-            if b"hi" in chunk:
-                break
-    wait_for(lambda: len(sidecar.exporter.events) == 1, timeout=3)
-    assert sidecar.exporter.one().status == "client_disconnect"
+    assert _stream_until(sidecar, "done-2", b"hi").status == "client_disconnect"
 
 
 @pytest.mark.parametrize("raw", [

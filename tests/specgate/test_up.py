@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -335,16 +336,26 @@ def _stop_light(up: subprocess.Popen[bytes], relay: subprocess.Popen[str], tree:
     _kill_all(tree)
 
 
-def test_ctrl_c_stops_every_child_when_the_output_pipe_is_gone(tmp_path: Path) -> None:
-    """`make run 2>&1 | tee run.log` and Ctrl-C: `tee` dies too, every line `up` writes while stopping meets a
-    closed pipe, and still everything it started stops."""
+@contextlib.contextmanager
+def _light_stack_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[str],
+                                                      dict[str, int], dict[int, int]]]:
+    """`up` without engines, piped through a relay as through `tee`, once it says it is up; stopped after."""
     up, relay, ports = _up_light(tmp_path)
     tree: dict[int, int] = {}
     try:
         assert relay.stdout is not None
         _read_until(up, line_queue(relay.stdout), "Ctrl-C stops everything", 120)
-        tree = _descendants(up.pid)
+        tree.update(_descendants(up.pid))
         assert tree, "the dashboard is not running"
+        yield up, relay, ports, tree
+    finally:
+        _stop_light(up, relay, tree)
+
+
+def test_ctrl_c_stops_every_child_when_the_output_pipe_is_gone(tmp_path: Path) -> None:
+    """`make run 2>&1 | tee run.log` and Ctrl-C: `tee` dies too, every line `up` writes while stopping meets a
+    closed pipe, and still everything it started stops."""
+    with _light_stack_up(tmp_path) as (up, relay, ports, tree):
         relay.kill()
         relay.wait(10)
         up.send_signal(signal.SIGINT)
@@ -352,24 +363,14 @@ def test_ctrl_c_stops_every_child_when_the_output_pipe_is_gone(tmp_path: Path) -
         assert _still_running(tree, 10) == {}
         assert _refused(f"http://127.0.0.1:{ports['port']}/healthz")
         assert _refused(f"http://127.0.0.1:{ports['dashboard']}/")
-    finally:
-        _stop_light(up, relay, tree)
 
 
 def test_what_up_started_dies_with_it_when_it_is_killed(tmp_path: Path) -> None:
     """SIGKILL leaves `up` no chance to stop anything: its children go by the parent-death signal."""
-    up, relay, _ = _up_light(tmp_path)
-    tree: dict[int, int] = {}
-    try:
-        assert relay.stdout is not None
-        _read_until(up, line_queue(relay.stdout), "Ctrl-C stops everything", 120)
-        tree = _descendants(up.pid)
-        assert tree, "the dashboard is not running"
+    with _light_stack_up(tmp_path) as (up, _relay, _ports, tree):
         up.kill()
         up.wait(10)
         assert _still_running(tree, 20) == {}
-    finally:
-        _stop_light(up, relay, tree)
 
 
 # A launcher that starts a stand-in child (which starts one of its own) with the stack's launcher, prints

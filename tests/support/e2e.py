@@ -103,30 +103,12 @@ def prom_sum(text: str, name: str, **labels: str) -> float:
     return sum(v for ls, v in prom_samples(text, name) if all(ls.get(k) == want for k, want in labels.items()))
 
 
-def _port_free(port: int) -> bool:
-    """Whether a server could listen on ``port`` (as vLLM's does, with SO_REUSEADDR: TIME_WAIT does not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
     except OSError:
         return False
     return True
-
-
-def _free_base_port(start: int) -> int:
-    for base in range(start, start + 400, 10):
-        if all(_port_free(p) for p in engines.ports_for(VARIANTS, base).values()):
-            return base
-    raise RuntimeError(f"no free ports for the engines from {start} on")
 
 
 class EngineSetupError(RuntimeError):
@@ -138,7 +120,7 @@ class Fleet:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.base_port = _free_base_port(BASE_PORT)
+        self.base_port = engines.free_base_port(VARIANTS, BASE_PORT)
         self.urls = {name: f"http://127.0.0.1:{port}"
                      for name, port in engines.ports_for(VARIANTS, self.base_port).items()}
         self.setup_s: float | None = None
