@@ -176,7 +176,10 @@ def fresh_database(kind: str, pg_admin_url: str) -> Iterator[str]:
 
 
 def worker_key(url: str) -> str:
-    return mint_keys(url, {"bench-sender": Scope.worker}, created_by="bench:ingest")["bench-sender"]
+    # Bound to the ids make_body sends for (never registered, so a pool binding would not cover them).
+    ids = [f"worker-{i:02d}" for i in range(10)]
+    return mint_keys(url, {"bench-sender": Scope.worker}, created_by="bench:ingest",
+                     worker_ids={"bench-sender": ids})["bench-sender"]
 
 
 def free_port() -> int:

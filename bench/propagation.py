@@ -47,6 +47,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import secrets
 import socket
 import statistics
 import subprocess
@@ -62,13 +63,14 @@ from typing import Any
 import aiohttp
 import httpx
 import yaml
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, text, update
 from sqlalchemy.engine import make_url
 
 from controlplane.auth.local import mint_keys
 from controlplane.auth.schemas import Scope
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.migrations_state import upgrade
+from controlplane.models import FleetState
 from controlplane.policy import service as policy_service
 from policies import BundlePayload, BundleVerifier, Revision, SigningKey, load_policy
 
@@ -221,15 +223,25 @@ def seed(url: str, extra_revisions: int = 1) -> Fixture:
     """Revision A (active) and ``extra_revisions`` drafts (B, then C, D, ... for --fresh), keys, ETags."""
     texts = [policy_text(threshold=4 + i) for i in range(1 + extra_revisions)]
     revisions = seed_policy(url, texts)
-    keys = mint_keys(url, {"bench-workers": Scope.worker, "bench-operator": Scope.operator}, created_by="bench")
+    keys = mint_keys(url, {"bench-workers": Scope.worker, "bench-operator": Scope.operator}, created_by="bench",
+                     pools={"bench-workers": POOL})
     worker_token, operator_token = keys["bench-workers"], keys["bench-operator"]
+    # The bundle's content carries the fleet's cohort secret; set here so the expected ETags are known
+    # before the server starts (it generates one only where none is stored).
+    cohort_secret = secrets.token_hex(32)
+    engine = make_engine(url)
+    try:
+        with unit_of_work(make_sessionmaker(engine)) as session:
+            session.execute(update(FleetState).where(FleetState.id == 1).values(cohort_secret=cohort_secret))
+    finally:
+        engine.dispose()
     etags = {}
     for rid, source in zip(revisions, texts, strict=True):
         revision = Revision.of(load_policy(source))
         if revision.id != rid:
             raise BenchError(f"revision {rid} was stored, the document hashes to {revision.id}")
         for kill_switch in (False, True):
-            etags[(rid, kill_switch)] = BundlePayload(revision, None, kill_switch).etag
+            etags[(rid, kill_switch)] = BundlePayload(revision, None, kill_switch, cohort_secret).etag
     return Fixture(worker_token, operator_token, revisions, etags)
 
 

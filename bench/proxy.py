@@ -250,10 +250,11 @@ def _console_script(name: str) -> str:
 
 def write_sidecar_state(state_dir: Path) -> str:
     """A signed last-known-good bundle of the seed policy; returns the public key to trust."""
-    from policies import BundlePayload, Revision, SigningKey, load_policy
+    from policies import BundlePayload, Delivery, Revision, SigningKey, load_policy
 
     key = SigningKey.generate()
-    envelope = key.sign(BundlePayload(Revision.of(load_policy(SEED.read_text()))))
+    # Bound to the sidecar's pool ("bench"), or it refuses the bundle as another pool's.
+    envelope = key.sign(BundlePayload(Revision.of(load_policy(SEED.read_text()))), Delivery(pool="bench"))
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "bundle.json").write_text(json.dumps(envelope))
     return key.public_key_b64

@@ -370,7 +370,8 @@ class Stack:
         upgrade(self.database_url)
         wanted = {"soak-admin": Scope.admin, "soak-operator": Scope.operator}
         wanted.update({worker: Scope.worker for worker in self.worker_ids})
-        tokens = mint_keys(self.database_url, wanted, created_by="bench:soak")
+        tokens = mint_keys(self.database_url, wanted, created_by="bench:soak",
+                           worker_ids={worker: [worker] for worker in self.worker_ids})
         self.keys = Keys(tokens["soak-admin"], tokens["soak-operator"], [tokens[w] for w in self.worker_ids])
         key = SigningKey.generate()
         self._signing_key, self.public_key = key.private_key_b64(), key.public_key_b64

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request, Response
+from sqlalchemy import update
+from sqlalchemy.engine import CursorResult
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.analysis.endpoints import router as analysis_router
@@ -20,6 +23,7 @@ from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.distribution.endpoints import router as distribution_router
 from controlplane.distribution.hub import ChangeHub
 from controlplane.distribution.listener import listen_for_changes
+from controlplane.distribution.service import BundleSigner
 from controlplane.errors import PayloadTooLarge, install_error_handlers
 from controlplane.health.endpoints import router as health_router
 from controlplane.metrics import ControlPlaneMetrics
@@ -52,19 +56,35 @@ class BodySizeLimit:
             await self._refuse(scope, send)
             return
         seen = 0
+        exceeded = False
+        started = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, exceeded
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    exceeded = True
                     raise _TooLarge()
             return message
 
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if exceeded:
+                # FastAPI turns an error while it reads the body into its own 400 "error parsing the body";
+                # that answer is dropped here and the 413 below sent instead.
+                return
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not exceeded or started:
+                raise
+        if exceeded and not started:
             await self._refuse(scope, send)
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
@@ -81,19 +101,56 @@ class _TooLarge(Exception):
 
 
 def _load_signing_key(app: FastAPI, settings: ControlPlaneSettings) -> SigningKey:
+    """The current signing key; also sets ``app.state.bundle_signer`` (current and previous key, bundle TTL).
+
+    From SPECGATE_SIGNING_KEY (and SPECGATE_SIGNING_KEY_PREVIOUS during a rotation) when set; otherwise
+    the embedded default: a key generated once and kept in ``fleet_state`` with its previous one, which
+    ``specgate signing-key rotate`` manages.
+    """
     if settings.signing_key:
-        return SigningKey.from_b64(settings.signing_key)
+        keys = [SigningKey.from_b64(settings.signing_key)]
+        if settings.signing_key_previous:
+            keys.append(SigningKey.from_b64(settings.signing_key_previous))
+    else:
+        with unit_of_work(app.state.sessions) as session:
+            state = session.get(FleetState, 1, with_for_update=True)
+            if state is None:
+                raise RuntimeError("the database has no fleet_state row: run the migrations first")
+            if not state.signing_key:
+                # Embedded default: generate once and keep it, so restarts keep the key.
+                state.signing_key = SigningKey.generate().private_key_b64()
+                log.warning("generated a bundle signing key and stored it in the database")
+            keys = [SigningKey.from_b64(state.signing_key)]
+            if state.previous_signing_key:
+                keys.append(SigningKey.from_b64(state.previous_signing_key))
+        # Loud on every start: whoever can read the database can sign bundles every sidecar accepts.
+        log.warning("SPECGATE_SIGNING_KEY is not set: bundles are signed with the key stored in the database "
+                    "(fleet_state). For production, generate a key (`specgate signing-key "
+                    "generate`) and set SPECGATE_SIGNING_KEY to it")
+        if settings.signing_key_previous:
+            log.warning("SPECGATE_SIGNING_KEY_PREVIOUS is ignored without SPECGATE_SIGNING_KEY")
+    app.state.bundle_signer = BundleSigner(keys, settings.bundle_ttl_s)
+    return keys[0]
+
+
+def _load_cohort_secret(app: FastAPI) -> str:
+    """The fleet's cohort secret (exploration and canary salts), generated on the first start.
+
+    A conditional UPDATE, committed before the read: of two processes starting on one database, whichever
+    writes second changes nothing, and both read the same secret.
+    """
     with unit_of_work(app.state.sessions) as session:
-        state = session.get(FleetState, 1, with_for_update=True)
-        if state is None:
+        result = session.execute(
+            update(FleetState).where(FleetState.id == 1, FleetState.cohort_secret.is_(None))
+            .values(cohort_secret=secrets.token_hex(32)))
+        generated = cast(CursorResult[Any], result).rowcount
+    with unit_of_work(app.state.sessions) as session:
+        state = session.get(FleetState, 1)
+        if state is None or not state.cohort_secret:
             raise RuntimeError("the database has no fleet_state row: run the migrations first")
-        if state.signing_key:
-            return SigningKey.from_b64(state.signing_key)
-        # Embedded default: generate once and keep it, so restarts keep the key.
-        key = SigningKey.generate()
-        state.signing_key = key.private_key_b64()
-        log.warning("no SPECGATE_SIGNING_KEY set: generated a signing key and stored it in the database")
-        return key
+        if generated:
+            log.info("generated the fleet's cohort secret and stored it in the database")
+        return state.cohort_secret
 
 
 def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
@@ -105,6 +162,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         hub.bind(asyncio.get_running_loop())
         app.state.signing_key = _load_signing_key(app, settings)
+        app.state.cohort_secret = _load_cohort_secret(app)
         listener: asyncio.Task[None] | None = None
         if engine.dialect.name == "postgresql":
             listener = asyncio.create_task(listen_for_changes(settings.database_url, hub))

@@ -5,7 +5,8 @@ The composition root (``specgate.cli``) mounts them on the ``specgate`` command.
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -15,8 +16,10 @@ from controlplane.telemetry.cli import telemetry_app
 
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+signing_key_app = typer.Typer(help="The bundle signing key kept in the database (embedded default).",
+                              no_args_is_help=True)
 
-__all__ = ["db_app", "keys_app", "serve", "telemetry_app"]
+__all__ = ["db_app", "keys_app", "serve", "signing_key_app", "telemetry_app"]
 
 
 def serve(host: Annotated[str, typer.Option()] = "127.0.0.1",
@@ -72,13 +75,18 @@ def db_current() -> None:
 
 @keys_app.command("create")
 def keys_create(scope: Annotated[Scope, typer.Option(help="admin, operator, worker or viewer")],
-                name: Annotated[str, typer.Option(help="who or what uses the key")]) -> None:
+                name: Annotated[str, typer.Option(help="who or what uses the key")],
+                pool: Annotated[str | None, typer.Option(help="worker keys: bind to this pool")] = None,
+                worker: Annotated[list[str] | None, typer.Option(
+                    help="worker keys: bind to this worker id (repeatable)")] = None) -> None:
     """Create a key directly in the database (how the first admin key is made).
 
-    The token is printed once, on stdout; only its hash is stored.
+    The token is printed once, on stdout; only its hash is stored. A worker key given neither --pool nor
+    --worker binds itself to the first worker it registers.
     """
     from controlplane.auth.service import create_key
     from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+    from controlplane.errors import ValidationFailed
 
     if not name.strip():
         typer.secho("error: --name must not be empty", err=True, fg=typer.colors.RED)
@@ -86,8 +94,91 @@ def keys_create(scope: Annotated[Scope, typer.Option(help="admin, operator, work
     engine = make_engine(ControlPlaneSettings().database_url)
     try:
         with unit_of_work(make_sessionmaker(engine)) as session:
-            _, token = create_key(session, name=name, scope=scope, created_by="cli:local")
+            _, token = create_key(session, name=name, scope=scope, created_by="cli:local", pool=pool,
+                                  worker_ids=worker or None)
+    except ValidationFailed as exc:
+        typer.secho(f"error: {exc.detail} (--pool and --worker are for --scope worker)", err=True,
+                    fg=typer.colors.RED)
+        raise typer.Exit(2) from None
     finally:
         engine.dispose()
-    typer.secho(f"created {scope.value} key '{name}' (shown once):", err=True)
+    bound = f" bound to pool {pool!r}" if pool else ""
+    bound += f" bound to workers {', '.join(worker)}" if worker else ""
+    typer.secho(f"created {scope.value} key '{name}'{bound} (shown once):", err=True)
     typer.echo(token)
+
+
+
+def _change_embedded_keys(action: str, change: Callable[[Any], str]) -> None:
+    """Apply ``change`` to fleet_state's signing keys under a row lock, audited, and print what it says."""
+    from controlplane.audit.service import record
+    from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+    from controlplane.models import FleetState
+    from policies import SigningKey
+
+    def key_id(private_b64: str | None) -> str | None:
+        return SigningKey.from_b64(private_b64).key_id if private_b64 else None
+
+    settings = ControlPlaneSettings()
+    if settings.signing_key:
+        typer.secho("warning: SPECGATE_SIGNING_KEY is set, so the control plane ignores the key in the "
+                    "database; rotate by setting SPECGATE_SIGNING_KEY_PREVIOUS to the old key and "
+                    "SPECGATE_SIGNING_KEY to the new one", err=True, fg=typer.colors.YELLOW)
+    engine = make_engine(settings.database_url)
+    try:
+        with unit_of_work(make_sessionmaker(engine)) as session:
+            state = session.get(FleetState, 1, with_for_update=True)
+            if state is None:
+                typer.secho("error: the database has no fleet_state row: run the migrations first", err=True,
+                            fg=typer.colors.RED)
+                raise typer.Exit(1)
+            before = {"current": key_id(state.signing_key), "previous": key_id(state.previous_signing_key)}
+            message = change(state)
+            after = {"current": key_id(state.signing_key), "previous": key_id(state.previous_signing_key)}
+            # Only key ids are audited: the private keys never leave fleet_state.
+            record(session, actor="cli:local", action=action, target_type="signing_key", target_id="fleet",
+                   before=before, after=after)
+    finally:
+        engine.dispose()
+    typer.echo(message)
+    typer.secho("restart the control plane processes to sign with the new key set", err=True)
+
+
+@signing_key_app.command("rotate")
+def signing_key_rotate() -> None:
+    """Make the current embedded key the previous one and generate a new current one.
+
+    Bundles are then signed with both, so sidecars pinned to either accept them; update the sidecars'
+    SPECGATE_PUBLIC_KEYS to the new key, then run drop-previous.
+    """
+    from policies import SigningKey
+
+    def rotate(state: Any) -> str:
+        new = SigningKey.generate()
+        state.previous_signing_key, state.signing_key = state.signing_key, new.private_key_b64()
+        return f"new current signing key {new.key_id}, public key {new.public_key_b64}"
+
+    _change_embedded_keys("signing_key.rotate", rotate)
+
+
+@signing_key_app.command("drop-previous")
+def signing_key_drop_previous() -> None:
+    """Stop signing with the previous embedded key: sidecars that trust only it refuse new bundles."""
+
+    def drop(state: Any) -> str:
+        if not state.previous_signing_key:
+            return "no previous signing key to drop"
+        state.previous_signing_key = None
+        return "dropped the previous signing key"
+
+    _change_embedded_keys("signing_key.drop_previous", drop)
+
+
+@signing_key_app.command("generate")
+def signing_key_generate() -> None:
+    """Print a new private key for SPECGATE_SIGNING_KEY (stdout) and its public key (stderr); stores nothing."""
+    from policies import SigningKey
+
+    key = SigningKey.generate()
+    typer.secho(f"public key {key.public_key_b64} (key id {key.key_id}); private key:", err=True)
+    typer.echo(key.private_key_b64())

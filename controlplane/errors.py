@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from policies import FieldError
 from policies.validate import find_oversized_ints, format_path, parse_int
 from wire.problems import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA, ProblemCode, problem, problem_code
+
+log = logging.getLogger("specgate.controlplane")
 
 
 def problem_response(description: str, example: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -35,6 +41,8 @@ def problems(descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
 AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: problem_response("missing, unknown or revoked API key"),
     403: problem_response("the key's scope does not allow this"),
+    # Checking a key reads the database, so every keyed operation may find it down.
+    503: problem_response("the database cannot be reached right now; retry after `Retry-After` seconds"),
 }
 INVALID_RESPONSE: dict[int | str, dict[str, Any]] = {
     422: problem_response("the request did not validate: each error with its path, code and message"),
@@ -113,6 +121,19 @@ class PolicyInvalid(ValidationFailed):
 
 class PreconditionRequired(SpecgateError):
     status, type_slug, title = 428, "precondition-required", "If-Match is required"
+
+
+class DatabaseUnavailable(SpecgateError):
+    status, type_slug, title = 503, "database-unavailable", "The database is unavailable"
+
+
+# Errors that say the database could not be reached or used right now (connection refused or lost, a
+# server restarting, SQLite busy past its timeout, a pool with no free connection): the request may succeed
+# later, so they answer 503 with Retry-After rather than 500.
+DATABASE_DOWN = (OperationalError, InterfaceError, DisconnectionError, SQLAlchemyTimeoutError)
+RETRY_AFTER_S = 5
+# One log line per outage, not one per request: at most one every this many seconds.
+DATABASE_LOG_INTERVAL_S = 30.0
 
 
 def parse_json_body(body: bytes | str) -> Any:
@@ -221,10 +242,24 @@ def install_error_handlers(app: FastAPI) -> None:
             problem.headers["Allow"] = _allowed_methods(request)
         return render(request, problem)
 
+    last_logged = -DATABASE_LOG_INTERVAL_S
+
+    async def _database_down(request: Request, exc: Exception) -> JSONResponse:
+        nonlocal last_logged
+        now = time.monotonic()
+        if now - last_logged >= DATABASE_LOG_INTERVAL_S:
+            last_logged = now
+            log.error("the database is unavailable (%s on %s): answering 503 until it is back",
+                      type(exc).__name__, request.url.path, exc_info=exc)
+        return render(request, DatabaseUnavailable(
+            "the database cannot be reached right now; retry later",
+            headers={"Retry-After": str(RETRY_AFTER_S)}))
+
+    for kind in DATABASE_DOWN:
+        app.add_exception_handler(kind, _database_down)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Never leak a traceback to a client; the log has it.
-        import logging
-
-        logging.getLogger("specgate.controlplane").exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", request.url.path)
         return render(request, SpecgateError("an unexpected error occurred; it has been logged"))

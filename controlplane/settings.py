@@ -18,6 +18,16 @@ class ControlPlaneSettings(BaseSettings):
         description="Ed25519 private key, raw 32 bytes in base64, that signs bundles. "
         "Without it, a key is generated and stored in the database on first start.",
     )
+    signing_key_previous: str | None = Field(
+        default=None,
+        description="the previous Ed25519 signing key during a rotation (same encoding as SIGNING_KEY): "
+        "bundles are signed with both, so sidecars pinned to either accept them",
+    )
+    bundle_ttl_s: float = Field(
+        default=86400.0, ge=60, le=30 * 86400,
+        description="how long a signed bundle may be accepted after it was issued; sidecars keep serving "
+        "their current bundle past it, but refuse to accept an expired one (replays)",
+    )
     worker_stale_after_s: float = Field(default=30.0, gt=0, description="heartbeat silence that marks a worker stale")
     long_poll_max_s: float = Field(default=60.0, gt=0, le=600)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
@@ -27,6 +37,14 @@ class ControlPlaneSettings(BaseSettings):
     telemetry_ingest_concurrency: int = Field(default=4, ge=1, le=64,
                                               description="telemetry batches one process writes at once "
                                               "(PostgreSQL; SQLite writes one at a time)")
+    telemetry_max_event_age_s: float = Field(
+        default=7 * 86400, gt=0, le=3650 * 86400,
+        description="an event whose `time` is further back than this from its receipt is refused (per event); "
+        "the bound never reaches past SPECGATE_TELEMETRY_RETENTION_DAYS, whose purge would delete it")
+    telemetry_max_clock_skew_s: float = Field(
+        default=300, ge=0, le=86400,
+        description="an event whose `time` is further ahead of its receipt than this is refused (per event): "
+        "a future time would escape retention")
     guardrail_interval_s: float = Field(default=60.0, ge=0, le=86400,
                                         description="how often running rollouts' guardrails are evaluated; "
                                         "0 turns the background evaluator off")

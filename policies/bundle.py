@@ -2,10 +2,13 @@
 
 A *revision* is a validated document; its id is the sha256 of its canonical
 JSON. A *bundle* is what one worker should run right now: the active revision,
-optionally a canary revision with the traffic share it gets, and the kill
-switch. The bundle's ETag is the sha256 of its canonical JSON, and the control
-plane signs those exact bytes with Ed25519; a worker verifies them with the
-public key alone, and keeps its previous bundle when anything is off.
+optionally a canary revision with the traffic share it gets, the kill switch
+and the fleet's cohort secret. The bundle's ETag is the sha256 of that content's
+canonical JSON. What is signed (Ed25519, once per configured key) is the content
+plus its *delivery*: the distribution generation, the pool it was computed for
+and an expiry, so a bundle captured earlier (before the kill switch went on, or
+for another pool) cannot be replayed to a worker as current. A worker verifies
+with the public key(s) alone and keeps its previous bundle when anything is off.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from policies.model import PolicyDocument
 from policies.shape import Decision, RequestShape, sticky_fraction
 from policies.validate import validate_data
 
-BUNDLE_FORMAT = "specgate.bundle/v1"
+BUNDLE_FORMAT = "specgate.bundle/v2"
+_CONTENT_FIELDS = frozenset({"format", "policy", "canary", "kill_switch", "cohort_secret"})
+_DELIVERY_FIELDS = frozenset({"generation", "pool", "expires_at"})
+_ENVELOPE_FIELDS = frozenset({"payload", "etag", "signatures"})
 
 
 def canonical_json(value: Any) -> bytes:
@@ -97,10 +103,13 @@ class BundlePayload:
     policy: Revision
     canary: Canary | None = None
     kill_switch: bool = False
+    # HMAC key of the exploration and canary cohorts: every worker must hash request ids alike.
+    cohort_secret: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": BUNDLE_FORMAT,
+            "cohort_secret": self.cohort_secret,
             "policy": self.policy.to_dict(),
             "canary": None if self.canary is None else {
                 **self.canary.revision.to_dict(),
@@ -122,10 +131,14 @@ class BundlePayload:
         if not isinstance(data, Mapping):
             raise BundleFormatError("bundle payload must be a JSON object")
         if data.get("format") != BUNDLE_FORMAT:
-            raise BundleFormatError(f"bundle format {data.get('format')!r} is not {BUNDLE_FORMAT!r}")
-        unknown = set(data) - {"format", "policy", "canary", "kill_switch"}
+            raise BundleFormatError(f"bundle format {data.get('format')!r} is not {BUNDLE_FORMAT!r} "
+                                    "(this worker and the control plane run incompatible versions)")
+        unknown = set(data) - _CONTENT_FIELDS
         if unknown:
             raise BundleFormatError(f"bundle payload has unknown fields: {', '.join(sorted(unknown))}")
+        cohort_secret = data.get("cohort_secret", "")
+        if not isinstance(cohort_secret, str):
+            raise BundleFormatError("bundle cohort_secret must be a string")
         kill_switch = data.get("kill_switch", False)
         if not isinstance(kill_switch, bool):
             raise BundleFormatError("bundle kill_switch must be true or false")
@@ -142,7 +155,48 @@ class BundlePayload:
             if not isinstance(salt, str):
                 raise BundleFormatError("canary.salt must be a string")
             canary = Canary(_revision_from(canary_data, "canary"), float(percent), salt)
-        return cls(policy, canary, kill_switch)
+        return cls(policy, canary, kill_switch, cohort_secret)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What a signature binds a bundle's content to: when, for whom, until when.
+
+    ``generation`` is the control plane's distribution generation (bumped by every change), so a worker
+    can refuse an older bundle than one it already accepted; ``pool`` is the pool the bundle was computed
+    for; ``expires_at`` (unix seconds) bounds how long a captured bundle can be replayed. The default
+    binds to no pool and is already expired: every worker refuses it.
+    """
+
+    generation: int = 0
+    pool: str = ""
+    expires_at: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generation": self.generation, "pool": self.pool, "expires_at": self.expires_at}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Delivery:
+        generation, pool, expires_at = data.get("generation"), data.get("pool"), data.get("expires_at")
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            raise BundleFormatError("bundle generation must be a non-negative integer")
+        if not isinstance(pool, str):
+            raise BundleFormatError("bundle pool must be a string")
+        if isinstance(expires_at, bool) or not isinstance(expires_at, int):
+            raise BundleFormatError("bundle expires_at must be an integer (unix seconds)")
+        return cls(generation, pool, expires_at)
+
+
+@dataclass(frozen=True, slots=True)
+class SignedBundle:
+    """A verified envelope: its content and the delivery the signature bound it to."""
+
+    payload: BundlePayload
+    delivery: Delivery
+
+    @property
+    def etag(self) -> str:
+        return self.payload.etag
 
 
 def _revision_from(data: Any, where: str) -> Revision:
@@ -200,15 +254,26 @@ class SigningKey:
     def private_key_b64(self) -> str:
         return _b64(self._key.private_bytes_raw())
 
-    def sign(self, payload: BundlePayload) -> dict[str, Any]:
-        """The signed envelope a worker downloads."""
-        body = payload.canonical_bytes()
-        return {
-            "payload": payload.to_dict(),
-            "etag": sha256_hex(body),
-            "key_id": self.key_id,
-            "signature": _b64(self._key.sign(body)),
-        }
+    def signature(self, body: bytes) -> dict[str, str]:
+        return {"key_id": self.key_id, "signature": _b64(self._key.sign(body))}
+
+    def sign(self, payload: BundlePayload, delivery: Delivery | None = None,
+             *, also: Iterable[SigningKey] = ()) -> dict[str, Any]:
+        """The signed envelope a worker downloads, signed by this key and then by each of ``also``.
+
+        During a key rotation the control plane signs with both keys, so a worker that trusts either accepts.
+        """
+        return sign_envelope([self, *also], payload, delivery or Delivery())
+
+
+def sign_envelope(keys: Iterable[SigningKey], payload: BundlePayload, delivery: Delivery) -> dict[str, Any]:
+    signed = {**payload.to_dict(), **delivery.to_dict()}
+    body = canonical_json(signed)
+    return {
+        "payload": signed,
+        "etag": payload.etag,
+        "signatures": [key.signature(body) for key in keys],
+    }
 
 
 class BundleVerifier:
@@ -225,31 +290,50 @@ class BundleVerifier:
             raise BundleSignatureError("no trusted public key configured")
 
     def verify(self, envelope: Any) -> BundlePayload:
+        return self.verify_envelope(envelope).payload
+
+    def verify_envelope(self, envelope: Any) -> SignedBundle:
+        """The content and delivery of ``envelope`` if one of its signatures is by a trusted key."""
         if not isinstance(envelope, Mapping):
             raise BundleFormatError("bundle must be a JSON object")
-        signature = envelope.get("signature")
-        if not signature:
+        unknown = set(envelope) - _ENVELOPE_FIELDS
+        if unknown:
+            raise BundleFormatError(f"bundle envelope has unknown fields: {', '.join(sorted(unknown))} "
+                                    f"(expected a {BUNDLE_FORMAT} envelope)")
+        signatures = envelope.get("signatures")
+        if not signatures:
             raise BundleSignatureError("bundle is unsigned")
-        if not isinstance(signature, str):
-            raise BundleSignatureError("bundle signature must be a base64 string")
-        key = self._keys.get(str(envelope.get("key_id")))
-        if key is None:
-            raise BundleSignatureError(f"bundle is signed by unknown key {envelope.get('key_id')!r}")
+        if not isinstance(signatures, list) or not all(isinstance(s, Mapping) for s in signatures):
+            raise BundleSignatureError("bundle signatures must be a list of {key_id, signature}")
         payload_data = envelope.get("payload")
+        if not isinstance(payload_data, Mapping):
+            raise BundleFormatError("bundle payload must be a JSON object")
         try:
             body = canonical_json(payload_data)
         except (TypeError, ValueError):
             raise BundleFormatError("bundle payload is not plain JSON") from None
-        try:
-            key.verify(_unb64(signature, "bundle signature"), body)
-        except InvalidSignature:
-            raise BundleSignatureError("bundle signature does not match its payload (tampered, "
-                                       "or signed by another key)") from None
-        etag = sha256_hex(body)
-        if envelope.get("etag") != etag:
+        ours = [(self._keys[s.get("key_id")], s.get("signature")) for s in signatures
+                if isinstance(s.get("key_id"), str) and s.get("key_id") in self._keys]
+        if not ours:
+            named = [s.get("key_id") for s in signatures]
+            raise BundleSignatureError(f"bundle is signed by unknown key(s) {named!r}")
+        for key, signature in ours:
+            if not isinstance(signature, str):
+                raise BundleSignatureError("bundle signature must be a base64 string")
+            try:
+                key.verify(_unb64(signature, "bundle signature"), body)
+            except InvalidSignature:
+                raise BundleSignatureError("bundle signature does not match its payload (tampered, "
+                                           "or signed by another key)") from None
+        content = {k: v for k, v in payload_data.items() if k not in _DELIVERY_FIELDS}
+        missing = _DELIVERY_FIELDS - set(payload_data)
+        if missing:
+            raise BundleFormatError(f"bundle payload lacks {', '.join(sorted(missing))}")
+        payload = BundlePayload.from_dict(content)
+        if envelope.get("etag") != payload.etag:
             raise BundleFormatError(
-                f"bundle etag {envelope.get('etag')!r} does not match its payload ({etag})")
-        return BundlePayload.from_dict(payload_data)
+                f"bundle etag {envelope.get('etag')!r} does not match its payload ({payload.etag})")
+        return SignedBundle(payload, Delivery.from_dict(payload_data))
 
 
 # --- the compiled form a worker runs ------------------------------------------------
@@ -262,12 +346,15 @@ class CompiledBundle:
     def __init__(self, payload: BundlePayload) -> None:
         self.payload = payload
         self.etag = payload.etag
-        self.active: CompiledPolicy = compile_policy(payload.policy.document, payload.policy.id)
+        secret = payload.cohort_secret
+        self.active: CompiledPolicy = compile_policy(payload.policy.document, payload.policy.id,
+                                                     cohort_secret=secret)
         self.canary: CompiledPolicy | None = None
         self.canary_fraction = 0.0
         self.canary_salt = ""
         if payload.canary is not None:
-            self.canary = compile_policy(payload.canary.revision.document, payload.canary.revision.id)
+            self.canary = compile_policy(payload.canary.revision.document, payload.canary.revision.id,
+                                         cohort_secret=secret)
             self.canary_fraction = payload.canary.traffic_percent / 100.0
             self.canary_salt = payload.canary.salt
         self.kill_switch = payload.kill_switch

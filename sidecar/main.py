@@ -68,7 +68,9 @@ class Sidecar:
         on_event: Callable[[TelemetryEvent], None] | None = self.otel.hook.on_event if self.otel else None
         self.app = (app_factory or _default_app_factory())(self.settings, self.store, self.exporter,
                                                             on_event=on_event)
-        self.sync = PolicySync(self.settings, self.store, in_flight=self._in_flight)
+        metrics = getattr(self.app, "metrics", None)
+        self.sync = PolicySync(self.settings, self.store, in_flight=self._in_flight,
+                               refused=getattr(metrics, "bundle_refused", None))
 
     def _in_flight(self) -> int:
         inflight = getattr(self.app, "inflight", None)

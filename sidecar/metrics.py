@@ -15,6 +15,7 @@ Exposed (all prefixed ``specgate_sidecar_``):
   (``wire.telemetry.FallbackReason``, or ``upstream_5NN``)
 * ``upstream_errors_total{engine}`` — failed upstream attempts (connect, 5xx, broken stream)
 * ``rejected_total{reason}`` — requests answered by the sidecar itself (no policy, bad body)
+* ``bundle_refused_total{reason}`` — policy bundles the sync refused (stale_generation, other_worker, expired, invalid)
 * ``hook_errors_total`` — exceptions raised by the on_event hook
 * ``request_duration_seconds{engine}`` — histogram of end-to-end latency seen by the sidecar
 * ``in_flight`` — requests in flight now
@@ -68,6 +69,8 @@ class SidecarMetrics(Collector):
         self.fallbacks: dict[str, int] = {}
         self.upstream_errors: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
+        # Filled by PolicySync (its ``refused``): bundles refused by reason.
+        self.bundle_refused: dict[str, int] = {}
         self.hook_errors = 0
         self.latency: dict[str, _Histogram] = {}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -126,6 +129,11 @@ class SidecarMetrics(Collector):
         family = CounterMetricFamily(PREFIX + "rejected", "Requests answered by the sidecar itself",
                                      labels=["reason"])
         for reason, n in list(self.rejected.items()):
+            family.add_metric([reason], n)
+        yield family
+        family = CounterMetricFamily(PREFIX + "bundle_refused", "Policy bundles refused by the sync, by reason "
+                                     "(stale_generation, other_worker, expired, invalid)", labels=["reason"])
+        for reason, n in list(self.bundle_refused.items()):
             family.add_metric([reason], n)
         yield family
         yield CounterMetricFamily(PREFIX + "hook_errors", "Exceptions raised by the on_event hook",

@@ -5,7 +5,9 @@ OpenAI request (``POST /v1/chat/completions``, ``POST /v1/completions``) it
 
 1. reads and parses the body once, classifies it (:mod:`sidecar.classify`)
    with the batch size of :mod:`sidecar.batch`, and decides with
-   ``store.current.decide(shape)`` (503 problem+json before the first policy);
+   ``store.current.decide(shape)`` (503 problem+json before the first policy;
+   400 naming the field for what :class:`sidecar.classify.RequestError`
+   refuses and for labels or an output schema over the settings' limits);
 2. forwards it to ``settings.engines[decision.engine]`` over that engine's
    pool of keep-alive connections (:mod:`sidecar.upstream`); an engine the worker does
    not have is replaced by the policy's fallback (plain) engine, recorded as
@@ -49,7 +51,9 @@ import datetime as dt
 import json
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import aiohttp
@@ -58,13 +62,21 @@ from yarl import URL
 
 from policies import CompiledBundle, Decision, PolicyStore, RequestShape
 from sidecar.batch import BatchEstimator, EngineScraper, InFlight
-from sidecar.classify import JSON_OBJECT, classify, output_schema
+from sidecar.classify import JSON_OBJECT, RequestError, check_text, classify, output_schema_at
 from sidecar.metrics import SidecarMetrics
 from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
 from sidecar.upstream import Headers, Response, Upstream, UpstreamError
 from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
-from wire.telemetry import EventStatus, FallbackReason, TelemetryEvent, encode_labels, upstream_status_reason
+from wire.telemetry import (
+    MAX_FLOAT,
+    MAX_INT,
+    EventStatus,
+    FallbackReason,
+    TelemetryEvent,
+    encode_labels,
+    upstream_status_reason,
+)
 
 try:  # orjson is several times faster than the stdlib; both give the same values here
     import orjson
@@ -78,15 +90,40 @@ try:  # orjson is several times faster than the stdlib; both give the same value
     def _dumps(value: Any) -> bytes:
         try:
             return orjson.dumps(value)
-        except TypeError:
-            return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        except TypeError:  # an integer beyond 64 bits, a lone surrogate
+            return _stdlib_dumps(value)
+
+    def _schema_key(schema: Any) -> bytes:
+        """A schema's compact JSON; RecursionError beyond orjson's depth (255 levels).
+
+        The stdlib encoder's depth follows the interpreter's recursion limit, which any imported library
+        may raise: whether a deep schema is refused must not depend on what else the process loaded.
+        """
+        try:
+            return orjson.dumps(schema)
+        except TypeError as exc:
+            if "Recursion limit" in str(exc):
+                raise RecursionError(str(exc)) from None
+            return _stdlib_dumps(schema)
 
 except ImportError:  # pragma: no cover - orjson is optional
     def _loads(data: bytes) -> Any:
         return json.loads(data)
 
     def _dumps(value: Any) -> bytes:
+        return _stdlib_dumps(value)
+
+    def _schema_key(schema: Any) -> bytes:
+        return _stdlib_dumps(schema)
+
+
+def _stdlib_dumps(value: Any) -> bytes:
+    try:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # A lone surrogate the client sent as an escape (the stdlib parser accepts it): escaped again, the
+        # engine gets the very text the client sent, where UTF-8 cannot hold it.
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 Scope = MutableMapping[str, Any]
@@ -135,16 +172,85 @@ def _failure_reason(exc: BaseException) -> FallbackReason:
 
 
 _UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
-_INF = float("inf")
+_MISSING: Any = object()
+
+
+def _compile_schema(schema: Any) -> Any:
+    """A validator of ``schema``, or None when it is no valid schema (no verdict). Runs in a worker thread:
+    ``check_schema`` of a large schema takes seconds of pure Python, which on the loop would stall every
+    request and ``/healthz`` with it."""
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+        return cls(schema)
+    except (jsonschema.exceptions.SchemaError, RecursionError):
+        return None
+
+
+class _SchemaCache:
+    """Compiled output schemas by their compact JSON, bounded by the bytes of those keys, least recently used
+    out first; a schema not compiled yet is compiled once, off the loop, however many requests carry it.
+
+    Compilations run one at a time on a thread of their own, so that a flood of new schemas cannot take the
+    threads the telemetry exporter encodes on; past ``max_pending`` schemas waiting, a new one gets no
+    verdict rather than a place in the queue.
+    """
+
+    __slots__ = ("max_bytes", "max_pending", "size", "entries", "pending", "_executor")
+
+    def __init__(self, max_bytes: int, max_pending: int = 32) -> None:
+        self.max_bytes = max_bytes
+        self.max_pending = max_pending
+        self.size = 0
+        self.entries: OrderedDict[bytes, Any] = OrderedDict()
+        self.pending: dict[bytes, asyncio.Future[Any]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    def lookup(self, key: bytes, schema: Any) -> Any:
+        """The validator (None: no verdict), or a future of it while it compiles."""
+        validator = self.entries.get(key, _MISSING)
+        if validator is not _MISSING:
+            self.entries.move_to_end(key)
+            return validator
+        future = self.pending.get(key)
+        if future is None:
+            if len(self.pending) >= self.max_pending:
+                return None
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="specgate-schema")
+            future = asyncio.get_running_loop().run_in_executor(self._executor, _compile_schema, schema)
+            self.pending[key] = future
+            future.add_done_callback(lambda done: self._compiled(key, done))
+        return future
+
+    def _compiled(self, key: bytes, future: asyncio.Future[Any]) -> None:
+        self.pending.pop(key, None)
+        if not future.cancelled():
+            self.put(key, None if future.exception() is not None else future.result())
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def put(self, key: bytes, validator: Any) -> None:
+        if len(key) > self.max_bytes or key in self.entries:
+            return
+        self.entries[key] = validator
+        self.size += len(key)
+        while self.size > self.max_bytes:
+            old, _ = self.entries.popitem(last=False)
+            self.size -= len(old)
 
 
 def _num(value: Any, *, integer: bool = False, at_most: float | None = None) -> Any:
-    """A non-negative finite number from engine JSON, else None (events must stay valid)."""
+    """A non-negative finite number from engine JSON within the event's bounds, else None (events must stay
+    valid: the control plane refuses an event beyond them)."""
     # Exact type checks: JSON gives exactly int, float or bool (bool must not pass as an int), and ten of
     # these run per request.
     kind = type(value)
     if integer:
-        return value if kind is int and value >= 0 else None
+        return value if kind is int and 0 <= value <= MAX_INT else None
     if kind is int:
         try:
             value = float(value)
@@ -152,7 +258,7 @@ def _num(value: Any, *, integer: bool = False, at_most: float | None = None) -> 
             return None
     elif kind is not float:
         return None
-    if not 0 <= value < _INF:
+    if not 0 <= value <= MAX_FLOAT:
         return None
     return value if at_most is None or value <= at_most else at_most
 
@@ -215,9 +321,9 @@ class _Call(_Watched):
 
     __slots__ = (
         "t0", "wall", "request_id", "path", "shape", "decision", "bundle", "canary", "engine",
-        "stream", "added_usage", "schema", "retries", "fallback", "fallback_reason", "status", "http_status",
-        "first_token", "last_token", "n_chunks", "parts", "output", "usage", "metrics", "t_end", "started",
-        "decided", "done_seen", "delivered",
+        "stream", "added_usage", "schema", "validator", "retries", "fallback", "fallback_reason", "status",
+        "http_status", "first_token", "last_token", "n_chunks", "parts", "output", "usage", "metrics", "t_end",
+        "started", "decided", "done_seen", "delivered",
     )
 
     def __init__(self, t0: float, wall: float, request_id: str, path: str) -> None:
@@ -235,6 +341,7 @@ class _Call(_Watched):
         self.stream = False
         self.added_usage = False
         self.schema: Any = None
+        self.validator: Any = None  # of ``schema``: a validator, None (no verdict), or a future while compiling
         self.retries = 0
         self.fallback = False
         self.fallback_reason: str | None = None  # a FallbackReason, or upstream_status_reason(status)
@@ -265,13 +372,16 @@ class SidecarApp:
         self.on_event = on_event
         self.expose_engine_metrics = expose_engine_metrics or settings.expose_engine_metrics
         self.max_body_bytes = max_body_bytes
+        self.max_labels = settings.max_labels
+        self.max_labels_bytes = settings.max_labels_bytes
+        self.max_schema_bytes = settings.max_schema_bytes
         self.worker_id = settings.worker_id or settings.listen
         self.routes: Mapping[str, str] = dict(settings.routes)
         self.engines: dict[str, str] = {name: url.rstrip("/") for name, url in settings.engines.items()}
         self.upstreams: dict[str, Upstream] = {}  # the OpenAI requests
         self.sessions: dict[str, aiohttp.ClientSession] = {}  # everything passed through
         self._headers: dict[int, tuple[Decision, bytes]] = {}
-        self._validators: dict[bytes, Any] = {}
+        self._schemas = _SchemaCache(settings.schema_cache_bytes)
         self.inflight = InFlight()
         self.scraper = (EngineScraper(self.engines, settings.engine_metrics_s, inflight=self.inflight)
                         if self.engines else None)
@@ -313,6 +423,7 @@ class SidecarApp:
             await upstream.close()
         for session in sessions.values():
             await session.close()
+        self._schemas.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -408,9 +519,20 @@ class SidecarApp:
         call = _Call(t0, wall, request_id, scope["path"])
         batch_size = self.batch.admit()
         try:
-            call.shape = classify(data, path=call.path, route_header=route_header, labels_header=labels_header,
-                                  routes=self.routes, batch_size=batch_size, request_id=request_id,
-                                  arrival_time=wall)
+            try:
+                check_text(request_id, "X-Request-Id", "header")
+                call.shape = classify(data, path=call.path, route_header=route_header,
+                                      labels_header=labels_header, routes=self.routes, batch_size=batch_size,
+                                      request_id=request_id, arrival_time=wall, max_labels=self.max_labels,
+                                      max_labels_bytes=self.max_labels_bytes)
+                if call.shape.structured_output:
+                    self._note_schema(call, data)
+            except RequestError as exc:
+                self.metrics.reject("bad_" + exc.where)
+                await _problem(send, 400, "bad-request", "Bad request", str(exc),
+                               errors=[{"path": exc.field, "in": exc.where, "code": exc.code,
+                                        "message": exc.message}])
+                return
             await self._serve(call, bundle, data, body, headers, scope, receive, send)
         finally:
             self.batch.release()
@@ -503,15 +625,34 @@ class SidecarApp:
             call.stream = True
             options = data.get("stream_options")
             if type(options) is not dict or options.get("include_usage") is not True:
-                data["stream_options"] = {**options, "include_usage": True} if type(options) is dict \
-                    else {"include_usage": True}
-                body = _dumps(data)
+                options = {**options, "include_usage": True} if type(options) is dict else {"include_usage": True}
+                data["stream_options"] = options
+                try:
+                    body = _dumps(data)
+                except RecursionError:
+                    # Nested deeper than the encoders go (orjson: 255 levels): the client's bytes with the key
+                    # appended, which the engines' JSON parsers take over an earlier one of the same name.
+                    body = body[:body.rstrip().rfind(b"}")] + b',"stream_options":' + _dumps(options) + b"}"
                 call.added_usage = True
-        if shape.structured_output:
-            call.schema = output_schema(data)
-            if call.schema is not None and shape.stream:
-                call.parts = []
+        if call.schema is not None and shape.stream:
+            call.parts = []
         return body
+
+    def _note_schema(self, call: _Call, data: dict[str, Any]) -> None:
+        """Notes the output schema of a structured request and starts compiling it (off the loop), so that the
+        answer can be checked against it once it is complete."""
+        schema, field = output_schema_at(data)
+        call.schema = schema
+        if schema is None or schema is JSON_OBJECT:
+            return
+        try:
+            key = _schema_key(schema)
+        except RecursionError:
+            raise RequestError(field, "body", "is nested too deeply to check against", "too_deep") from None
+        if len(key) > self.max_schema_bytes:
+            raise RequestError(field, "body", f"is {len(key)} bytes as compact JSON, over the "
+                               f"{self.max_schema_bytes} allowed", "too_long")
+        call.validator = self._schemas.lookup(key, schema)
 
     def _fall_back(self, call: _Call, fallback: str, reason: str) -> None:
         """Moves a request whose engine failed unseen to the fallback engine: its one retry, recorded."""
@@ -719,6 +860,15 @@ class SidecarApp:
 
     def _finish(self, call: _Call) -> None:
         """After the response: the request's telemetry event, its metrics, and the event handed on."""
+        validator = call.validator
+        if isinstance(validator, asyncio.Future):
+            if call.status is not _OK:
+                call.validator = None  # no verdict is asked for: nothing to wait for
+            elif not validator.done():
+                validator.add_done_callback(lambda _: self._finish(call))  # its schema still compiles
+                return
+            else:
+                call.validator = None if validator.cancelled() or validator.exception() else validator.result()
         e2e = call.t_end - call.t0
         event = self._telemetry_event(call, e2e * 1000.0)
         self.metrics.decision(call.decision.engine, call.decision.rule)
@@ -762,8 +912,9 @@ class SidecarApp:
             stream=shape.stream,
             structured_output=shape.structured_output,
             tools=shape.tools,
-            max_tokens=shape.max_tokens,
-            shape_prompt_tokens=shape.prompt_tokens,
+            # The client's numbers go to the engine as sent; the event holds what the store can (a 32-bit column).
+            max_tokens=shape.max_tokens if shape.max_tokens is None or shape.max_tokens <= MAX_INT else MAX_INT,
+            shape_prompt_tokens=min(shape.prompt_tokens, MAX_INT),
             labels=encode_labels(shape.labels),
             prompt_tokens=_num(usage.get("prompt_tokens"), integer=True),
             completion_tokens=_num(usage.get("completion_tokens"), integer=True),
@@ -813,31 +964,15 @@ class SidecarApp:
             value = json.loads(text)
         except ValueError:
             return False
-        schema = call.schema
-        if schema is JSON_OBJECT:
+        if call.schema is JSON_OBJECT:
             return type(value) is dict
-        validator = self._validator(schema)
+        validator = call.validator
         if validator is None:
             return None
         try:
             return bool(validator.is_valid(value))
         except Exception:  # an unresolvable $ref, an unknown format type: no verdict
             return None
-
-    def _validator(self, schema: Any) -> Any:
-        key = _dumps(schema)
-        validator = self._validators.get(key)
-        if validator is None:
-            try:
-                cls = jsonschema.validators.validator_for(schema)
-                cls.check_schema(schema)
-                validator = cls(schema)
-            except jsonschema.exceptions.SchemaError:
-                return None
-            if len(self._validators) >= 256:
-                self._validators.clear()
-            self._validators[key] = validator
-        return validator
 
     # --- everything else: passed through to the plain engine -------------------------------
 
@@ -930,8 +1065,9 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes,
 
 
 async def _problem(send: Send, status: int, slug: str, title: str, detail: str,
-                   extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    await _respond(send, status, problem_bytes(status, slug, title, detail), _PROBLEM_TYPE, extra)
+                   extra: list[tuple[bytes, bytes]] | None = None,
+                   errors: list[dict[str, Any]] | None = None) -> None:
+    await _respond(send, status, problem_bytes(status, slug, title, detail, errors=errors), _PROBLEM_TYPE, extra)
 
 
 def _uncancel() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -43,6 +43,14 @@ class SidecarSettings(BaseSettings):
     body_timeout_s: float = Field(default=60.0, gt=0, description="end of headers to end of body, else 408")
     max_buffered_bytes: int = Field(default=1024 * 1024, ge=64 * 1024,
                                     description="read ahead of the request being answered before reading pauses")
+    # What one request may make the request path hold or compute on the event loop (sidecar/proxy.py): the
+    # labels are parsed and encoded per request, an output schema is compiled and kept for later requests.
+    max_labels: int = Field(default=64, ge=1, description="X-Specgate-Labels pairs per request, else 400")
+    max_labels_bytes: int = Field(default=4096, ge=64, description="X-Specgate-Labels bytes, else 400")
+    max_schema_bytes: int = Field(default=64 * 1024, ge=1024,
+                                  description="an output JSON schema, serialised compact, else 400")
+    schema_cache_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024,
+                                    description="compiled output schemas kept, by bytes of their schemas (LRU)")
     # Keep vLLM's per-request ``metrics`` object in answers (it is stripped by default, as if the engines ran
     # without the per-request metrics flags): for debugging and for tests that compare telemetry with the engine.
     expose_engine_metrics: bool = False
@@ -59,6 +67,14 @@ class SidecarSettings(BaseSettings):
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
                 raise ValueError(f"engine {name!r}: the URL must be http(s)://HOST[:PORT][/PREFIX], got {url!r}")
         return value
+
+    @model_validator(mode="after")
+    def _schema_fits_cache(self) -> SidecarSettings:
+        # A schema larger than the whole cache would be compiled again for every request that carries it.
+        if self.schema_cache_bytes < self.max_schema_bytes:
+            raise ValueError(f"schema_cache_bytes ({self.schema_cache_bytes}) must be at least max_schema_bytes "
+                             f"({self.max_schema_bytes})")
+        return self
 
     @field_validator("listen")
     @classmethod

@@ -9,9 +9,15 @@ What runs, once :meth:`PolicySync.start` is called:
   the control plane is unreachable, and repeated whenever the control plane
   answers ``worker-not-found`` (its database was reset, the row was removed);
 - a long-poll loop on ``GET /v1/bundle`` with ``If-None-Match`` and ``wait``:
-  every 200 is verified (Ed25519 signature, ETag, document), compiled, swapped
-  into the store and written to disk atomically; anything wrong with a bundle
-  rejects it, counts it, and leaves the previous bundle active;
+  every 200 is verified (Ed25519 signature, ETag, document), checked against
+  replay (its signed generation is not older than the last accepted one, its
+  pool is this worker's, it has not expired), compiled, swapped into the store
+  and written to disk atomically; anything wrong with a bundle refuses it,
+  counts it (``specgate_bundle_refused_total{reason}``), and leaves the previous
+  bundle active. The last-known-good bundle carries the high-water generation,
+  so a restart does not forget it; it keeps being served after it expires (a
+  control-plane outage must not stop serving), only a newly fetched expired
+  bundle is refused;
 - an SSE listener on ``/v1/bundle/events`` whose notices wake the long-poll at
   once, so a change lands even when the long-poll's connection silently died;
 - heartbeats reporting the active revision and ETag (sent at once after each
@@ -41,7 +47,7 @@ from typing import Any
 
 import aiohttp
 
-from policies import BundleVerifier, CompiledBundle, PolicyStore
+from policies import BundleVerifier, CompiledBundle, PolicyStore, SignedBundle
 from sidecar.settings import SidecarSettings
 from sidecar.support import Backoff, wait_event, write_atomic
 from wire.problems import Problem, read_problem
@@ -101,6 +107,14 @@ class _Rejected(Exception):
     """A bundle was refused (already counted and logged); back off before asking again."""
 
 
+class BundleRefused(Exception):
+    """A correctly signed bundle this worker must not accept (a replay, or another pool's)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def _problem(status: int, body: bytes) -> ControlPlaneError:
     problem = read_problem(status, body)
     return ControlPlaneError(status, problem.detail or problem.title, problem)
@@ -123,7 +137,8 @@ class PolicySync:
     """
 
     def __init__(self, settings: SidecarSettings, store: PolicyStore, session: aiohttp.ClientSession | None = None,
-                 *, in_flight: Callable[[], int] | None = None, backoff_cap_s: float = 5.0) -> None:
+                 *, in_flight: Callable[[], int] | None = None, backoff_cap_s: float = 5.0,
+                 refused: dict[str, int] | None = None) -> None:
         self.settings = settings
         self.store = store
         self.worker_id = settings.worker_id or settings.listen
@@ -152,6 +167,11 @@ class PolicySync:
         self.last_error: str | None = None
         self.last_error_at: float | None = None
         self.rejected_bundles = 0
+        # Refused bundles by reason; shared with the metrics when given (specgate_bundle_refused_total).
+        self.refused: dict[str, int] = {} if refused is None else refused
+        # The generation of the last accepted bundle: an older one is a replay.
+        self.high_water: int | None = None
+        self._persisted_generation = -1
         self.updates = 0
         self.expected_etag: str | None = None
 
@@ -209,6 +229,8 @@ class PolicySync:
             "last_error": self.last_error,
             "last_error_at": _utc(self.last_error_at),
             "rejected_bundles": self.rejected_bundles,
+            "refused_bundles": dict(self.refused),
+            "generation": self.high_water,
             "updates": self.updates,
             "connected": self.connected,
             "sse_connected": self.sse_connected,
@@ -229,10 +251,33 @@ class PolicySync:
                                "to trust the control plane's key again, or configure public keys") from exc
         return BundleVerifier([pinned])
 
-    def _compile(self, raw: bytes) -> CompiledBundle:
+    def _compile(self, raw: bytes, *, fetched: bool = True) -> tuple[CompiledBundle, SignedBundle]:
+        """Verify and compile ``raw``; BundleRefused when it is signed but not for this worker now.
+
+        ``fetched`` is False for the last-known-good bundle, which may have expired: it was accepted when it
+        was current, and serving it beats serving nothing while the control plane is away.
+        """
         if self._verifier is None:
             raise RuntimeError("no bundle key to verify with yet")
-        return CompiledBundle(self._verifier.verify(json.loads(raw)))
+        signed = self._verifier.verify_envelope(json.loads(raw))
+        delivery = signed.delivery
+        if delivery.pool != self.settings.pool:
+            raise BundleRefused("other_worker", f"bundle was signed for pool {delivery.pool!r}, "
+                                f"this worker is in pool {self.settings.pool!r}")
+        if fetched and delivery.expires_at < time.time():
+            raise BundleRefused("expired", f"bundle expired at {_utc(delivery.expires_at)}")
+        if self.high_water is not None and delivery.generation < self.high_water:
+            current = self.store.current
+            if not (current is not None and current.etag == signed.etag):
+                raise BundleRefused("stale_generation", f"bundle generation {delivery.generation} is older "
+                                    f"than the accepted generation {self.high_water} (a replay)")
+        return CompiledBundle(signed.payload), signed
+
+    def _refused(self, exc: BaseException) -> str:
+        reason = exc.reason if isinstance(exc, BundleRefused) else "invalid"
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        self.rejected_bundles += 1
+        return reason
 
     async def _load_lkg(self) -> None:
         if self.store.current is not None:
@@ -245,12 +290,13 @@ class PolicySync:
             self._error(f"cannot read the last-known-good bundle: {exc}")
             return
         try:
-            compiled = await asyncio.to_thread(self._compile, raw)
+            compiled, signed = await asyncio.to_thread(self._compile, raw, fetched=False)
         except Exception as exc:
-            self.rejected_bundles += 1
-            self._error(f"last-known-good bundle {self.lkg_path} rejected: {exc}")
+            reason = self._refused(exc)
+            self._error(f"last-known-good bundle {self.lkg_path} refused ({reason}): {exc}")
             log.error("%s", self.last_error)
             return
+        self.high_water = self._persisted_generation = signed.delivery.generation
         update = self.store.update(compiled)
         self.source = "last-known-good"
         self.last_change = time.time()
@@ -399,29 +445,38 @@ class PolicySync:
     async def _apply(self, raw: bytes, etag: str) -> None:
         self._synced()
         try:
-            compiled = await asyncio.to_thread(self._compile, raw)
+            compiled, signed = await asyncio.to_thread(self._compile, raw)
         except Exception as exc:
-            self.rejected_bundles += 1
+            reason = self._refused(exc)
             if etag:
                 self._rejected = (etag, time.monotonic())
-            self._error(f"bundle {etag[:12] or '?'} rejected: {_describe(exc)}")
+            self._error(f"bundle {etag[:12] or '?'} refused ({reason}): {_describe(exc)}")
             log.error("%s; keeping %s", self.last_error,
                       self.store.current.etag[:12] if self.store.current else "no bundle")
             raise _Rejected from exc
+        self.high_water = max(self.high_water or 0, signed.delivery.generation)
         update = self.store.update(compiled)
         self.source = "control-plane"
         self._rejected = None
         if not update.changed:
+            # Same content: still keep the newer envelope, so the persisted high-water moves on.
+            if signed.delivery.generation > self._persisted_generation:
+                await self._persist(raw, signed.delivery.generation)
             return
         self.updates += 1
         self.last_change = time.time()
         self._heartbeat_now.set()
         log.info("policy bundle updated: %s", update.summary())
+        await self._persist(raw, signed.delivery.generation)
+
+    async def _persist(self, raw: bytes, generation: int) -> None:
         try:
             await asyncio.to_thread(write_atomic, self.lkg_path, raw)
         except OSError as exc:
             self._error(f"cannot write the last-known-good bundle {self.lkg_path}: {exc}")
             log.error("%s", self.last_error)
+            return
+        self._persisted_generation = generation
 
     def _error(self, message: str) -> None:
         self.last_error = message

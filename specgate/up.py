@@ -268,7 +268,9 @@ def _mint_keys(url: str, *, with_worker: bool) -> tuple[str, str | None]:
     wanted = {f"make-run-{stamp}": Scope.admin}
     if with_worker:
         wanted[f"make-run-sidecar-{stamp}"] = Scope.worker
-    keys = mint_keys(url, wanted, created_by="cli:make-run")
+    # The sidecar's key may act only as workers of the stack's pool.
+    keys = mint_keys(url, wanted, created_by="cli:make-run",
+                     pools={f"make-run-sidecar-{stamp}": devstack.TESTBED_POOL})
     return keys[f"make-run-{stamp}"], keys.get(f"make-run-sidecar-{stamp}")
 
 

@@ -23,6 +23,15 @@ from controlplane.migrations_state import upgrade
 from controlplane.settings import ControlPlaneSettings
 from tests.support.auth import bearer
 
+# Recorded telemetry in the tests is dated on fixed days (tests/support/telemetry_data.py) and retention is tested
+# with events weeks old: the suite widens the window of accepted event times (and the retention it is bounded by)
+# to ten years. tests/controlplane/test_hardening_cp.py tests the defaults. Set here, so that control planes
+# the tests start as processes get it too.
+os.environ.setdefault("SPECGATE_TELEMETRY_MAX_EVENT_AGE_S", str(3650 * 86400))
+os.environ.setdefault("SPECGATE_TELEMETRY_RETENTION_DAYS", "3650")
+
+FLEET_KEY_WORKERS = ("w-1", "w1", "w2", "w-cpu", "w-gpu", "b-0", "b1", "gone", "wrong-pool")
+
 # The server every machine of this project runs; CI starts it if it is down.
 DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -82,12 +91,13 @@ def settings(migrated_url: str) -> ControlPlaneSettings:
 def make_key(migrated_url: str) -> Callable[[Scope, str], str]:
     """Create a key straight in the database, as `specgate keys create` does."""
 
-    def make(scope: Scope, name: str = "") -> str:
+    def make(scope: Scope, name: str = "", *, pool: str | None = None,
+             worker_ids: list[str] | None = None) -> str:
         engine = make_engine(migrated_url)
         try:
             with unit_of_work(make_sessionmaker(engine)) as session:
                 _, token = create_key(session, name=name or f"test-{scope.value}", scope=scope,
-                                      created_by="test:fixture")
+                                      created_by="test:fixture", pool=pool, worker_ids=worker_ids)
         finally:
             engine.dispose()
         return token
@@ -117,5 +127,8 @@ def viewer(make_key: Callable[[Scope, str], str]) -> dict[str, str]:
 
 
 @pytest.fixture
-def worker_key(make_key: Callable[[Scope, str], str]) -> dict[str, str]:
-    return bearer(make_key(Scope.worker, "pool-a"))
+def worker_key(make_key: Callable[..., str]) -> dict[str, str]:
+    # The tests' fleet key: any worker of pool-a (where tests/support/fleet_rows.register puts workers), and by
+    # id the workers tests send telemetry for or move to other pools. Keys are bound (issue 16); an unbound one
+    # would bind itself to the first worker it registers.
+    return bearer(make_key(Scope.worker, "pool-a", pool="pool-a", worker_ids=list(FLEET_KEY_WORKERS)))

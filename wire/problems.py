@@ -91,6 +91,7 @@ class ProblemCode(StrEnum):
     wrong_policy = "wrong_policy"
     already_active = "already_active"
     pool_mismatch = "pool_mismatch"
+    worker_not_allowed = "worker_not_allowed"
     # rollout steps
     not_increasing = "not_increasing"
     last_not_100 = "last_not_100"

@@ -177,11 +177,20 @@ def encode_labels(labels: Mapping[str, str]) -> str:
     if not labels:
         return "{}"
     kept = dict(sorted(labels.items()))
-    while True:
-        text = json.dumps(kept, separators=(",", ":"), ensure_ascii=False)
-        if len(text) <= MAX_LABELS_CHARS:
-            return text
-        kept.popitem()
+    text = json.dumps(kept, separators=(",", ":"), ensure_ascii=False)
+    if len(text) <= MAX_LABELS_CHARS:
+        return text
+    # Too long: keep the longest prefix of the sorted pairs that fits, each pair serialised once (dropping one
+    # label at a time and serialising the rest again was quadratic in the number of labels).
+    pairs: list[str] = []
+    size = 2  # the braces
+    for key, value in kept.items():
+        pair = json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False)
+        size += len(pair) + (1 if pairs else 0)
+        if size > MAX_LABELS_CHARS:
+            break
+        pairs.append(pair)
+    return "{" + ",".join(pairs) + "}"
 
 
 class TelemetryBatch(BaseModel):

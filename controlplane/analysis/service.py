@@ -32,6 +32,7 @@ from controlplane.audit.service import record
 from controlplane.errors import Conflict, NotFound, PreconditionFailed, ValidationFailed
 from controlplane.models import Policy, Revision, Rollout
 from controlplane.policy import service as policy_service
+from controlplane.rollout.service import fleet_cohort_secret
 from controlplane.telemetry.repository import RollupFilter
 from controlplane.telemetry.service import RollupSummary, summarize
 from policies import PolicyDocument, PolicyValidationError, RequestShape, compile_policy, validate_data
@@ -433,8 +434,10 @@ def what_if(session: Session, policy_name: str, *, revision: str | None, documen
     policy = _policy(session, policy_name)
     doc, label = candidate_document(session, policy, revision=revision, document=document)
     active = _active(session, policy)
-    before_policy = compile_policy(validate_data(active.document), active.id)
-    after_policy = compile_policy(doc, label)
+    # The fleet's cohort secret, as the sidecars compile with (exploration is left out below in any case).
+    secret = fleet_cohort_secret(session)
+    before_policy = compile_policy(validate_data(active.document), active.id, cohort_secret=secret)
+    after_policy = compile_policy(doc, label, cohort_secret=secret)
     fields, cuts = _shape_fields(validate_data(active.document), doc)
     groups = AnalysisRepository(session).shape_groups(policy=policy.name, start=start, end=end,
                                                       limit=MAX_SHAPE_GROUPS + 1, fields=fields, cuts=cuts)

@@ -15,7 +15,8 @@ router = APIRouter(prefix="/v1/keys", tags=["keys"], responses=AUTH_RESPONSES)
 
 @router.post("", status_code=201, response_model=KeyCreated, responses={**TOO_LARGE_RESPONSE, **INVALID_RESPONSE})
 def create(body: KeyCreate, session: SessionDep, who: Admin) -> KeyCreated:
-    key, token = create_key(session, name=body.name, scope=body.scope, created_by=who.actor)
+    key, token = create_key(session, name=body.name, scope=body.scope, created_by=who.actor, pool=body.pool,
+                            worker_ids=body.worker_ids)
     return KeyCreated(**KeyRead.model_validate(key, from_attributes=True).model_dump(), token=token)
 
 

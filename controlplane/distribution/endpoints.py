@@ -18,10 +18,11 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from controlplane.auth.repository import ApiKeyRepository
+from controlplane.auth.service import Principal, authorize_worker
 from controlplane.db import unit_of_work
 from controlplane.deps import BundleReader, WorkerKey
 from controlplane.distribution.recompute import recomputer_of
-from controlplane.distribution.schemas import BundleEnvelope, PublicKeyRead
+from controlplane.distribution.schemas import BundleEnvelope, PublicKeyEntry, PublicKeyRead
 from controlplane.distribution.service import Bundle, cached_body, etags_in, signed_body
 from controlplane.errors import (
     AUTH_RESPONSES,
@@ -56,6 +57,11 @@ def _key_revoked(request: Request, key_id: str) -> bool:
         return key is None or key.revoked_at is not None
 
 
+def _authorize(request: Request, who: Principal, worker_id: str) -> None:
+    with unit_of_work(request.app.state.sessions) as session:
+        authorize_worker(session, who, worker_id)
+
+
 def _cache_headers(etag: str) -> dict[str, str]:
     # no-cache: intermediaries may store the bundle but must revalidate, since it changes any time.
     return {"ETag": f'"{etag}"', "Cache-Control": "no-cache"}
@@ -66,7 +72,7 @@ def _cache_headers(etag: str) -> dict[str, str]:
                        **AUTH_RESPONSES, **_NOT_SERVED, **INVALID_RESPONSE,
                        **problems({500: "revision-corrupt: a stored revision of the worker's policy no longer "
                                         "validates or hashes to its id"})})
-async def bundle(request: Request, _: BundleReader,
+async def bundle(request: Request, who: BundleReader,
                  worker: str = _worker_query(),
                  wait: float | None = Query(None, gt=0, allow_inf_nan=False,
                                             description="seconds to hold the request while If-None-Match is "
@@ -77,6 +83,8 @@ async def bundle(request: Request, _: BundleReader,
         raise ValidationFailed("1 field did not validate", errors=[{
             "path": "wait", "in": "query", "code": "out_of_range",
             "message": f"Input should be less than or equal to {longest:g}"}])
+    # A worker key reads only the bundles of workers it is bound to; an admin key reads any.
+    await run_in_threadpool(_authorize, request, who, worker)
     hub = request.app.state.hub
     known = etags_in(if_none_match)
     # Read the generation before computing: a change committed meanwhile makes us recompute
@@ -95,8 +103,8 @@ async def bundle(request: Request, _: BundleReader,
             current = await _current(request, worker)
     if current.etag in known:
         return Response(status_code=304, headers=_cache_headers(current.etag))
-    key = request.app.state.signing_key
-    body = cached_body(key, current) or await run_in_threadpool(signed_body, key, current)
+    signer = request.app.state.bundle_signer
+    body = cached_body(signer, current) or await run_in_threadpool(signed_body, signer, current)
     return Response(body, media_type="application/json", headers=_cache_headers(current.etag))
 
 
@@ -110,6 +118,8 @@ def _sse(event: str, data: dict[str, Any]) -> str:
                              "every change; `: keepalive` comments while idle"},
                        **AUTH_RESPONSES, **_NOT_SERVED, **INVALID_RESPONSE})
 async def events(request: Request, who: WorkerKey, worker: str = _worker_query()) -> StreamingResponse:
+    # Before the stream starts, so a refusal is a plain 403 problem.
+    await run_in_threadpool(_authorize, request, who, worker)
     hub = request.app.state.hub
     keepalive = request.app.state.settings.sse_keepalive_s
     seen = hub.generation
@@ -156,5 +166,10 @@ async def events(request: Request, who: WorkerKey, worker: str = _worker_query()
 
 @router.get("/public-key", response_model=PublicKeyRead)
 def public_key(request: Request) -> PublicKeyRead:
-    key = request.app.state.signing_key
-    return PublicKeyRead(public_key=key.public_key_b64, key_id=key.key_id)
+    """The key(s) bundles are signed with: the current one first; during a rotation also the previous one."""
+    keys = request.app.state.bundle_signer.keys
+    current = keys[0]
+    return PublicKeyRead(public_key=current.public_key_b64, key_id=current.key_id,
+                         keys=[PublicKeyEntry(public_key=key.public_key_b64, key_id=key.key_id,
+                                              status="current" if i == 0 else "previous")
+                               for i, key in enumerate(keys)])

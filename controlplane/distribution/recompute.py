@@ -26,10 +26,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import State
 
 from controlplane.db import unit_of_work
-from controlplane.distribution.service import Bundle, expected_bundles, signed_body
+from controlplane.distribution.service import Bundle, BundleSigner, expected_bundles, signed_body
 from controlplane.errors import SpecgateError
 from controlplane.worker.service import WorkerNotFound, get_workers
-from policies import SigningKey
 
 Outcomes = dict[str, Bundle | SpecgateError]
 
@@ -45,15 +44,16 @@ def load_bundles(sessions: sessionmaker[Session], worker_ids: Sequence[str]) -> 
     return outcomes
 
 
-def sign_once(signing_key: SigningKey, outcomes: Outcomes) -> None:
+def sign_once(signing_key: BundleSigner, outcomes: Outcomes) -> None:
     """Sign (or find cached) the envelope of every distinct bundle among ``outcomes``."""
-    distinct = {outcome.etag: outcome for outcome in outcomes.values() if isinstance(outcome, Bundle)}
+    distinct = {(outcome.etag, outcome.pool, outcome.generation): outcome
+                for outcome in outcomes.values() if isinstance(outcome, Bundle)}
     for bundle in distinct.values():
         signed_body(signing_key, bundle)
 
 
 class Recomputer:
-    def __init__(self, sessions: sessionmaker[Session], signing_key: SigningKey | None = None) -> None:
+    def __init__(self, sessions: sessionmaker[Session], signing_key: BundleSigner | None = None) -> None:
         self._sessions = sessions
         self._signing_key = signing_key
         self._pending: set[str] = set()
@@ -111,5 +111,5 @@ def recomputer_of(app_state: State) -> Recomputer:
     if found is None:
         # The lifespan has set the signing key before any request can get here.
         found = app_state.bundle_recomputer = Recomputer(app_state.sessions,
-                                                         getattr(app_state, "signing_key", None))
+                                                         getattr(app_state, "bundle_signer", None))
     return found

@@ -4,31 +4,39 @@ A bundle depends on the worker (pool, labels, id) and on rows every change
 announces by bumping ``fleet_state.generation``: policies, their active
 revisions, live rollouts and the kill switch. Revisions are content-addressed,
 so a revision validated once is cached by id for good; a payload is cached by
-what it is made of, and a signed envelope by (key, ETag). A herd of long-polls
-woken by one change therefore only reads a few small rows each and reuses the
-documents, payloads and signatures.
+what it is made of. The signature binds the payload to its delivery (generation,
+pool, expiry), so envelopes are cached by (keys, ETag, pool, generation, expiry
+bucket): the expiry is rounded up to a bucket, and a herd of long-polls woken by
+one change therefore only reads a few small rows each and reuses the documents,
+payloads and signatures.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.distribution.repository import DistributionRepository
 from controlplane.errors import NotFound, SpecgateError
 from controlplane.lru import LRU
+from controlplane.models import FleetState
 from controlplane.rollout.service import canary_salt, worker_in_canary
 from policies import (
     BundlePayload,
     Canary,
+    Delivery,
     PolicyValidationError,
     Revision,
     SigningKey,
+    sign_envelope,
     validate_data,
 )
 
@@ -60,14 +68,38 @@ class WorkerLike(Protocol):
 class Bundle:
     payload: BundlePayload
     etag: str
+    # Where and when it was computed: signed into the envelope, not part of the ETag.
+    pool: str = ""
+    generation: int = 0
 
 
-# (policy revision, canary revision, traffic percent, salt, kill switch): everything a payload is made of.
-_BundleKey = tuple[str, str | None, float | None, str | None, bool]
+class BundleSigner:
+    """The keys that sign bundles (current first; the previous one during a rotation) and the bundles' TTL."""
+
+    def __init__(self, keys: Iterable[SigningKey], ttl_s: float) -> None:
+        self.keys = tuple(keys)
+        if not self.keys:
+            raise ValueError("at least one signing key is needed")
+        self.ttl_s = ttl_s
+        # A long-poll herd shares one expiry per bucket, so one signature; at most a tenth of the TTL
+        # is added to it, so a bundle lives between TTL and 1.1 TTL.
+        self.bucket_s = max(1, int(ttl_s / 10))
+        self.key_ids = ",".join(key.key_id for key in self.keys)
+
+    @property
+    def current(self) -> SigningKey:
+        return self.keys[0]
+
+    def expires_at(self, now: float) -> int:
+        return (math.floor((now + self.ttl_s) / self.bucket_s) + 1) * self.bucket_s
+
+
+# (policy revision, canary revision, traffic percent, salt, kill switch, cohort secret): a payload's makings.
+_BundleKey = tuple[str, str | None, float | None, str | None, bool, str]
 
 _revisions: LRU[str, Revision] = LRU(1024)
-_bundles: LRU[_BundleKey, Bundle] = LRU(4096)
-_envelopes: LRU[tuple[str, str], bytes] = LRU(512)
+_bundles: LRU[_BundleKey, BundlePayload] = LRU(4096)
+_envelopes: LRU[tuple[str, str, str, int, int], bytes] = LRU(512)
 
 
 def clear_caches() -> None:
@@ -106,9 +138,11 @@ class PolicyPlan:
 class DistributionView:
     """One read of everything bundles depend on, apart from the worker itself."""
 
-    def __init__(self, plans: Iterable[PolicyPlan], *, kill_switch: bool, generation: int) -> None:
+    def __init__(self, plans: Iterable[PolicyPlan], *, kill_switch: bool, generation: int,
+                 cohort_secret: str = "") -> None:
         self.kill_switch = kill_switch
         self.generation = generation
+        self.cohort_secret = cohort_secret
         self._by_pool: dict[str, PolicyPlan] = {}
         self._poolless: PolicyPlan | None = None
         for plan in plans:
@@ -135,11 +169,13 @@ class DistributionView:
         if rollout is not None and rollout.targets(worker):
             # The cohort rules belong to rollouts (controlplane.rollout.service); bundles apply them.
             if rollout.mode == "workers":
-                if worker_in_canary(worker.id, rollout.id, rollout.percent):
+                if worker_in_canary(worker.id, rollout.id, rollout.percent, cohort_secret=self.cohort_secret):
                     policy = rollout.to_revision
             elif rollout.mode == "traffic":
-                canary = Canary(rollout.to_revision, rollout.percent, canary_salt(rollout.id))
-        return _bundle_of(policy, canary, self.kill_switch)
+                canary = Canary(rollout.to_revision, rollout.percent,
+                                canary_salt(rollout.id, cohort_secret=self.cohort_secret))
+        payload = _payload_of(policy, canary, self.kill_switch, self.cohort_secret)
+        return Bundle(payload, payload.etag, worker.pool, self.generation)
 
     def expected_etag(self, worker: WorkerLike) -> str | None:
         """None when nothing can be served: fleet views and heartbeats still work, only the bundle fails."""
@@ -149,15 +185,14 @@ class DistributionView:
             return None
 
 
-def _bundle_of(policy: Revision, canary: Canary | None, kill_switch: bool) -> Bundle:
+def _payload_of(policy: Revision, canary: Canary | None, kill_switch: bool, cohort_secret: str) -> BundlePayload:
     key: _BundleKey = (policy.id, canary.revision.id if canary else None,
                        canary.traffic_percent if canary else None, canary.salt if canary else None,
-                       kill_switch)
+                       kill_switch, cohort_secret)
     cached = _bundles.get(key)
     if cached is not None:
         return cached
-    payload = BundlePayload(policy, canary, kill_switch)
-    return _bundles.put(key, Bundle(payload, payload.etag))
+    return _bundles.put(key, BundlePayload(policy, canary, kill_switch, cohort_secret))
 
 
 def _revisions_by_id(repo: DistributionRepository,
@@ -191,6 +226,8 @@ def load_view(session: Session, pools: Collection[str] | None = None) -> Distrib
     """The view for workers of ``pools`` (every pool when None)."""
     repo = DistributionRepository(session)
     kill_switch, generation = repo.fleet_switches()
+    # None on a database from before cohort secrets: the empty secret keeps the old public salts.
+    cohort_secret = session.scalar(select(FleetState.cohort_secret).where(FleetState.id == 1)) or ""
     policies = repo.policies(pools)
     rollouts: dict[str, tuple[Any, float | None]] = {}
     for rollout, percent in repo.live_rollouts([p.id for p in policies], LIVE_ROLLOUT_STATES):
@@ -218,7 +255,7 @@ def load_view(session: Session, pools: Collection[str] | None = None) -> Distrib
                                            rollout.target_pool, dict(rollout.target_labels or {}))
         plans.append(PolicyPlan(policy.id, policy.name, policy.pool,
                                 active if isinstance(active, Revision) else None, plan_rollout, problem))
-    return DistributionView(plans, kill_switch=kill_switch, generation=generation)
+    return DistributionView(plans, kill_switch=kill_switch, generation=generation, cohort_secret=cohort_secret)
 
 
 def expected_bundles(session: Session,
@@ -244,18 +281,24 @@ def bundle_for_worker(session: Session, worker: WorkerLike) -> BundlePayload:
     return expected_bundle(session, worker).payload
 
 
-def cached_body(signing_key: SigningKey, bundle: Bundle) -> bytes | None:
+def _envelope_key(signer: BundleSigner, bundle: Bundle, now: float | None) -> tuple[str, str, str, int, int]:
+    return (signer.key_ids, bundle.etag, bundle.pool, bundle.generation,
+            signer.expires_at(time.time() if now is None else now))
+
+
+def cached_body(signer: BundleSigner, bundle: Bundle, *, now: float | None = None) -> bytes | None:
     """The signed envelope if it was made before: cheap enough for the event loop."""
-    return _envelopes.get((signing_key.key_id, bundle.etag))
+    return _envelopes.get(_envelope_key(signer, bundle, now))
 
 
-def signed_body(signing_key: SigningKey, bundle: Bundle) -> bytes:
+def signed_body(signer: BundleSigner, bundle: Bundle, *, now: float | None = None) -> bytes:
     """The JSON envelope bytes; Ed25519 signatures are deterministic, so caching them is exact."""
-    cached = cached_body(signing_key, bundle)
+    key = _envelope_key(signer, bundle, now)
+    cached = _envelopes.get(key)
     if cached is not None:
         return cached
-    body = json.dumps(signing_key.sign(bundle.payload), ensure_ascii=False, separators=(",", ":")).encode()
-    return _envelopes.put((signing_key.key_id, bundle.etag), body)
+    envelope = sign_envelope(signer.keys, bundle.payload, Delivery(bundle.generation, bundle.pool, key[4]))
+    return _envelopes.put(key, json.dumps(envelope, ensure_ascii=False, separators=(",", ":")).encode())
 
 
 def normalize_etag(value: str) -> str:

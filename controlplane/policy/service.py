@@ -27,6 +27,7 @@ from controlplane.errors import (
 from controlplane.lru import LRU
 from controlplane.models import Policy, Revision
 from controlplane.policy.repository import PolicyRepository, RevisionRepository
+from controlplane.rollout.service import fleet_cohort_secret
 from policies import (
     CompiledPolicy,
     Decision,
@@ -391,22 +392,26 @@ def diff_revisions(session: Session, policy_name: str, *, from_id: str | None,
 # --- evaluation --------------------------------------------------------------------------
 
 # Revisions are immutable and their ids are content hashes, so an entry never
-# goes stale, and one cache may serve any database.
-compiled_policies: LRU[str, CompiledPolicy] = LRU(64)
+# goes stale; each keeps the cohort secret it was compiled with, so one cache
+# may serve any database (each has its own secret).
+compiled_policies: LRU[str, tuple[str, CompiledPolicy]] = LRU(64)
 
 
 def _compiled(session: Session, rid: str) -> CompiledPolicy:
     revisions = RevisionRepository(session)
     if not _is_revision_id(rid) or not revisions.exists(rid):
         raise NotFound(f"revision {rid!r} does not exist")
-    compiled = compiled_policies.get(rid)
-    if compiled is None:
-        # Compiling outside the lock: two threads may both compile a cold
-        # revision, which wastes a little work but never blocks readers.
-        revision = revisions.get(rid)
-        assert revision is not None
-        compiled = compile_policy(validate_data(revision.document), rid)
-        compiled_policies.put(rid, compiled)
+    # Exploration cohorts are salted with the fleet's secret: decided with it, as the sidecars decide.
+    secret = fleet_cohort_secret(session)
+    cached = compiled_policies.get(rid)
+    if cached is not None and cached[0] == secret:
+        return cached[1]
+    # Compiling outside the lock: two threads may both compile a cold
+    # revision, which wastes a little work but never blocks readers.
+    revision = revisions.get(rid)
+    assert revision is not None
+    compiled = compile_policy(validate_data(revision.document), rid, cohort_secret=secret)
+    compiled_policies.put(rid, (secret, compiled))
     return compiled
 
 
@@ -486,7 +491,8 @@ def check_draft(session: Session, *, submission: Submission, policy_name: str,
                                    to_label=f"{policy.name} (draft {loaded.id[:12]})")
             summary = summarize_changes(active.document, loaded.canonical)
     parsed = _read_shapes(shapes)
-    compiled = compile_policy(loaded.document, loaded.id) if parsed else None
+    compiled = (compile_policy(loaded.document, loaded.id, cohort_secret=fleet_cohort_secret(session))
+                if parsed else None)
     decisions = [(shape, compiled.decide(shape)) for shape in parsed] if compiled is not None else []
     existing = RevisionRepository(session).exists(loaded.id)
     return DraftCheck(loaded, policy, active, unified, summary, decisions, existing)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
+import hashlib
+import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,20 +65,30 @@ _STEP_OUTCOMES = {A.promote: StepOutcome.promoted, A.abort: StepOutcome.aborted,
                   A.rollback: StepOutcome.rolled_back}
 
 
-# -- cohorts (pure; the distribution code builds bundles with these) ------------------------------
+# -- cohorts (the distribution code builds bundles with these; the salts are pure) ---------------------
 
-def canary_salt(rollout_id: str) -> str:
-    """The salt of a rollout's split: sidecars bucket requests by it in traffic mode."""
-    return "rollout:" + rollout_id
+def canary_salt(rollout_id: str, *, cohort_secret: str) -> str:
+    """The salt of a rollout's split: sidecars bucket requests by it in traffic mode.
+
+    The hex HMAC-SHA256 of the rollout id keyed by the fleet's cohort secret: a public salt would let a
+    client compute which request ids land in the canary and choose its cohort.
+    """
+    return hmac.new(cohort_secret.encode(), rollout_id.encode(), hashlib.sha256).hexdigest()
 
 
-def worker_in_canary(worker_id: str, rollout_id: str, percent: float) -> bool:
+def worker_in_canary(worker_id: str, rollout_id: str, percent: float, *, cohort_secret: str) -> bool:
     """Whether a targeted worker runs the new revision at this percent (workers mode).
 
     Sticky per (worker, rollout) and monotonic in ``percent``: a worker in the
     canary at one step stays in at every later, larger step.
     """
-    return sticky_fraction(worker_id, canary_salt(rollout_id)) * 100 < percent
+    return sticky_fraction(worker_id, canary_salt(rollout_id, cohort_secret=cohort_secret)) * 100 < percent
+
+
+def fleet_cohort_secret(session: Session) -> str:
+    """The fleet's cohort secret (generated at start-up; '' before the first start on this database)."""
+    state = session.get(FleetState, 1)
+    return (state.cohort_secret or "") if state is not None else ""
 
 
 # -- the state machine -----------------------------------------------------------------------------

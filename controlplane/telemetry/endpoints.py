@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from controlplane.auth.service import Principal
+from controlplane.auth.service import Principal, WorkerGrant
 from controlplane.db import unit_of_work
 from controlplane.deps import Reader, SessionDep, WorkerKey
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, ValidationFailed, problems
@@ -65,12 +65,13 @@ def _parse(request: Request, body: bytes) -> service.ParsedBatch:
     raw = service.decode_body(body, content_type=request.headers.get("content-type"),
                               content_encoding=request.headers.get("content-encoding"),
                               max_decompressed=settings.max_body_bytes * service.DECOMPRESSION_FACTOR)
-    return service.parse_batch(raw)
+    return service.parse_batch(raw, service.EventWindow.from_settings(settings, utcnow()))
 
 
 def _store(app: Any, batch: service.ParsedBatch, who: Principal) -> service.IngestResult:
     with unit_of_work(app.state.sessions) as session:
-        return service.ingest(session, batch, sent_by=who.actor, received_at=utcnow())
+        return service.ingest(session, batch, sent_by=who.actor, received_at=utcnow(),
+                              grant=WorkerGrant(session, who))
 
 
 def _gate(app: Any) -> asyncio.Semaphore:

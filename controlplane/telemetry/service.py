@@ -32,7 +32,9 @@ from sqlalchemy.orm import Session
 from analysis.buckets import batch_bucket_label
 from analysis.histogram import METRICS, quantile
 from analysis.rollup import COUNTERS, KEY_FIELDS, aggregate
+from controlplane.auth.service import WorkerGrant
 from controlplane.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
+from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.repository import PurgeCounts, RollupFilter, TelemetryRepository
 from controlplane.telemetry.schemas import REJECTED_KEPT, BatchAck, BatchEnvelope, EventError, RejectedEvent, ValidBatch
 from wire.problems import ProblemCode, problem_code
@@ -47,6 +49,51 @@ _PROBLEM_CODES = frozenset(code.value for code in ProblemCode)
 
 
 # --- decoding and validation ------------------------------------------------------------------
+
+class EventWindow:
+    """The span of event times accepted around a batch's receipt: far-past events would be purged at once,
+    future ones would never be (retention cuts by ``time``)."""
+
+    __slots__ = ("earliest", "latest", "_tz", "_bounds")
+
+    def __init__(self, earliest: dt.datetime, latest: dt.datetime) -> None:
+        self.earliest = earliest
+        self.latest = latest
+        self._tz: dt.tzinfo | None = None
+        self._bounds = (earliest, latest)
+
+    @classmethod
+    def around(cls, received_at: dt.datetime, *, max_age_s: float, max_skew_s: float,
+               retention_days: int) -> EventWindow:
+        back = min(dt.timedelta(seconds=max_age_s), dt.timedelta(days=retention_days))
+        return cls(received_at - back, received_at + dt.timedelta(seconds=max_skew_s))
+
+    @classmethod
+    def from_settings(cls, settings: ControlPlaneSettings, received_at: dt.datetime) -> EventWindow:
+        return cls.around(received_at, max_age_s=settings.telemetry_max_event_age_s,
+                          max_skew_s=settings.telemetry_max_clock_skew_s,
+                          retention_days=settings.telemetry_retention_days)
+
+    def check(self, time: dt.datetime) -> EventError | None:
+        """``time`` is in UTC (any tzinfo of offset 0), as ``_to_utc`` leaves it."""
+        tz = time.tzinfo
+        if tz is not self._tz:
+            # Aware datetimes with the same tzinfo object compare field by field; with different ones each
+            # comparison asks both for their offset. The events of a batch share one (pydantic's UTC or
+            # ours), so the bounds are kept in it.
+            self._tz = tz
+            self._bounds = (self.earliest.astimezone(tz), self.latest.astimezone(tz))
+        earliest, latest = self._bounds
+        if earliest <= time <= latest:
+            return None
+        if time < earliest:
+            return EventError(path="time", code=ProblemCode.out_of_range,
+                              message=f"is before {self.earliest.isoformat()}, the oldest time accepted now "
+                                      "(SPECGATE_TELEMETRY_MAX_EVENT_AGE_S)")
+        return EventError(path="time", code=ProblemCode.out_of_range,
+                          message=f"is after {self.latest.isoformat()}, more than "
+                                  "SPECGATE_TELEMETRY_MAX_CLOCK_SKEW_S ahead of the control plane's clock")
+
 
 @dataclass(slots=True)
 class ParsedBatch:
@@ -114,8 +161,9 @@ def _event_errors(errors: Sequence[ErrorDetails]) -> list[EventError]:
             for e in errors[:MAX_ERRORS_PER_EVENT]]
 
 
-def _to_utc(event: TelemetryEvent) -> EventError | None:
-    """Normalize ``time`` to UTC; a time without a zone is taken as UTC, as the contract says times are."""
+def _to_utc(event: TelemetryEvent, window: EventWindow | None) -> EventError | None:
+    """Normalize ``time`` to UTC (a time without a zone is taken as UTC, as the contract says times are)
+    and hold it to the window."""
     time = event.time
     offset = time.utcoffset()
     if offset is None:
@@ -125,7 +173,7 @@ def _to_utc(event: TelemetryEvent) -> EventError | None:
             event.time = time.astimezone(dt.UTC)
         except OverflowError:
             return EventError(path="time", code=ProblemCode.out_of_range, message="is out of range in UTC")
-    return None
+    return None if window is None else window.check(event.time)
 
 
 def _envelope_failed(exc: ValidationError) -> ValidationFailed:
@@ -135,8 +183,11 @@ def _envelope_failed(exc: ValidationError) -> ValidationFailed:
     return ValidationFailed(f"the batch envelope has {n} error{'s' if n != 1 else ''}", errors=errors)
 
 
-def parse_batch(raw: bytes) -> ParsedBatch:
+def parse_batch(raw: bytes, window: EventWindow | None = None) -> ParsedBatch:
     """Validate a TelemetryBatch: the envelope strictly (422), then each event on its own.
+
+    With ``window``, an event whose time falls outside it is refused on its own (``time``,
+    ``out_of_range``); the ingest endpoint always gives one.
 
     Events are validated against the contract, ``wire.telemetry.TelemetryEvent``,
     which includes the store's limits. The common case, a batch whose every
@@ -147,11 +198,11 @@ def parse_batch(raw: bytes) -> ParsedBatch:
     try:
         whole = ValidBatch.model_validate_json(raw)
     except ValidationError:
-        return _parse_event_by_event(raw)
+        return _parse_event_by_event(raw, window)
     events: list[TelemetryEvent] = []
     rejected: list[RejectedEvent] = []
     for index, event in enumerate(whole.events):
-        problem = _to_utc(event)
+        problem = _to_utc(event, window)
         if problem is not None:
             rejected.append(RejectedEvent(index=index, errors=[problem]))
         else:
@@ -159,7 +210,7 @@ def parse_batch(raw: bytes) -> ParsedBatch:
     return ParsedBatch(whole.batch_id, whole.worker_id, len(whole.events), events, rejected)
 
 
-def _parse_event_by_event(raw: bytes) -> ParsedBatch:
+def _parse_event_by_event(raw: bytes, window: EventWindow | None) -> ParsedBatch:
     try:
         # pydantic-core's parser, as in the one-pass check: the same bodies are JSON for both
         # (it refuses, for instance, lone UTF-16 surrogates that no database can store).
@@ -183,7 +234,7 @@ def _parse_event_by_event(raw: bytes) -> ParsedBatch:
         except ValidationError as exc:
             rejected.append(RejectedEvent(index=index, errors=_event_errors(exc.errors(include_url=False))))
             continue
-        problem = _to_utc(event)
+        problem = _to_utc(event, window)
         if problem is not None:
             rejected.append(RejectedEvent(index=index, errors=[problem]))
         else:
@@ -200,9 +251,42 @@ class IngestResult:
     already_stored: int
 
 
-def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: dt.datetime) -> IngestResult:
-    """Store a parsed batch once: its new events, and their rollups; see the module docstring."""
+def _refuse_foreign(batch: ParsedBatch, grant: WorkerGrant) -> None:
+    """Move the events for workers the key may not act as from ``events`` to ``rejected``, in place.
+
+    The key's allowed set is resolved once for the batch's distinct worker ids (at most one query), so the
+    per-event cost is a set lookup."""
+    ids = {e.worker_id for e in batch.events}
+    allowed = grant.allowed(ids)
+    if len(allowed) == len(ids):
+        return
+    # The valid events' indices are those the parse did not reject, in batch order.
+    refused_at = {r.index for r in batch.rejected}
+    indices = (i for i in range(batch.event_count) if i not in refused_at)
+    kept: list[TelemetryEvent] = []
+    refused: list[RejectedEvent] = []
+    for index, event in zip(indices, batch.events, strict=False):
+        if event.worker_id in allowed:
+            kept.append(event)
+        else:
+            refused.append(RejectedEvent(index=index, errors=[EventError(
+                path="worker_id", code=ProblemCode.worker_not_allowed,
+                message=f"the key may not act as worker {event.worker_id!r}")]))
+    batch.events = kept
+    batch.rejected = sorted([*batch.rejected, *refused], key=lambda r: r.index)
+
+
+def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: dt.datetime,
+           grant: WorkerGrant | None = None) -> IngestResult:
+    """Store a parsed batch once: its new events, and their rollups; see the module docstring.
+
+    With ``grant``, the batch's ``worker_id`` must be a worker the key may act as (403), and each event
+    for another worker is refused on its own (``worker_id``, ``worker_not_allowed``), never stored."""
     repo = TelemetryRepository(session)
+    if grant is not None:
+        # Stored as the batch's sender: it must be the key's own worker, registered or not.
+        grant.check(batch.worker_id, unregistered_passes=False)
+        _refuse_foreign(batch, grant)
     kept = batch.rejected[:REJECTED_KEPT]
     rejected = [r.model_dump() for r in kept]
     claimed = repo.claim_batch({

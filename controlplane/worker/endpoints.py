@@ -25,7 +25,9 @@ router = APIRouter(prefix="/v1", tags=["workers"], responses=AUTH_RESPONSES)
 _BODY = {**TOO_LARGE_RESPONSE, **INVALID_RESPONSE}
 
 @router.post("/workers/register", response_model=WorkerRead,
-             responses={201: {"model": WorkerRead, "description": "registered for the first time"}, **_BODY})
+             responses={201: {"model": WorkerRead, "description": "registered for the first time"},
+                        **problems({403: "worker-not-allowed: the key is not bound to this worker, or may "
+                                         "register only into its own pool"}), **_BODY})
 def register(body: WorkerRegister, request: Request, response: Response,
              who: WorkerKey) -> WorkerRead:
     settings = request.app.state.settings
@@ -33,7 +35,7 @@ def register(body: WorkerRegister, request: Request, response: Response,
     for attempt in (1, 2):
         try:
             with unit_of_work(request.app.state.sessions) as session:
-                registration = service.register(session, body, actor=who.actor)
+                registration = service.register(session, body, who=who)
                 read = service.describe_one(session, registration.worker, settings.worker_stale_after_s)
             break
         except IntegrityError:
@@ -48,11 +50,12 @@ def register(body: WorkerRegister, request: Request, response: Response,
 
 
 @router.post("/workers/{worker_id}/heartbeat", response_model=HeartbeatAck,
-             responses={**problems({404: "worker-not-found: the worker is not registered"}), **_BODY})
-def heartbeat(session: SessionDep, _: WorkerKey,
+             responses={**problems({403: "worker-not-allowed: the key is not bound to this worker",
+                                    404: "worker-not-found: the worker is not registered"}), **_BODY})
+def heartbeat(session: SessionDep, who: WorkerKey,
               worker_id: str = Path(max_length=128, pattern=WORKER_ID_PATTERN),
               body: WorkerHeartbeat | None = None) -> HeartbeatAck:
-    return service.heartbeat(session, worker_id, body or WorkerHeartbeat())
+    return service.heartbeat(session, worker_id, body or WorkerHeartbeat(), who=who)
 
 
 @router.get("/workers", response_model=WorkerPage, responses=INVALID_RESPONSE)

@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record
+from controlplane.auth.service import Principal, authorize_registration, authorize_worker
 from controlplane.distribution.publish import bump_generation
 from controlplane.distribution.service import DistributionView, load_view
 from controlplane.errors import NotFound
@@ -58,13 +59,18 @@ def get_workers(session: Session, worker_ids: Collection[str]) -> dict[str, Work
     return {w.id: w for w in WorkerRepository(session).get_many(worker_ids)}
 
 
-def register(session: Session, body: WorkerRegister, *, actor: str) -> Registration:
-    """Create or update a worker. Registering again is how a worker announces a new pool or labels."""
+def register(session: Session, body: WorkerRegister, *, who: Principal) -> Registration:
+    """Create or update a worker. Registering again is how a worker announces a new pool or labels.
+
+    The key must be bound to the worker (or to its pool, and register it into that pool); an unbound
+    key is bound to it here."""
     repo = WorkerRepository(session)
     now = utcnow()
+    actor = who.actor
     labels, engines = dict(body.labels), dict(body.engines)
     wanted: dict[str, Any] = {"pool": body.pool, "labels": labels, "engines": engines}
     worker = repo.get(body.id)
+    authorize_registration(session, who, body.id, body.pool, None if worker is None else worker.pool)
     if worker is None:
         worker = repo.add(Worker(id=body.id, pool=body.pool, labels=labels, engines=engines,
                                  sidecar_version=body.sidecar_version, registered_at=now,
@@ -91,9 +97,10 @@ def register(session: Session, body: WorkerRegister, *, actor: str) -> Registrat
     return Registration(worker, False, generation)
 
 
-def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat) -> HeartbeatAck:
+def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: Principal) -> HeartbeatAck:
     # Heartbeats are not audited: they report liveness and what a worker runs, not a change
     # anyone made, and auditing them would bury the real changes.
+    authorize_worker(session, who, worker_id)
     worker = get_worker(session, worker_id)
     worker.last_heartbeat_at = utcnow()
     # A field left out keeps what the worker reported before; an explicit null clears it.

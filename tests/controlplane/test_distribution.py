@@ -16,6 +16,7 @@ import controlplane.distribution.recompute as recompute
 import controlplane.distribution.service as distribution
 from controlplane.app import create_app
 from controlplane.models import Revision
+from controlplane.rollout.service import canary_salt
 from controlplane.settings import ControlPlaneSettings
 from policies import BundlePayload, BundleVerifier, sticky_fraction
 from tests.support.factories import seed_policy, seed_text
@@ -76,7 +77,7 @@ def test_public_key_needs_no_key_and_names_the_signer(client: TestClient, policy
     assert key.json()["public_key"] == client.app.state.signing_key.public_key_b64  # type: ignore[attr-defined]
     register(client, worker_key, "w1")
     envelope = client.get("/v1/bundle", params={"worker": "w1"}, headers=worker_key).json()
-    assert envelope["key_id"] == key.json()["key_id"]
+    assert [s["key_id"] for s in envelope["signatures"]] == [key.json()["key_id"]]
 
 
 @pytest.mark.parametrize("form", ['"{}"', "{}", 'W/"{}"', '"other", "{}"'])
@@ -224,7 +225,8 @@ def test_workers_mode_puts_a_sticky_half_of_the_targeted_workers_in_the_canary(
         canary_etags = {w["expected_etag"] for w in listed if w["id"] in (in_canary_example,)}
         return {w["id"] for w in listed if w["expected_etag"] in canary_etags}
 
-    formula = {w for w in ids if sticky_fraction(w, "rollout:" + rollout_id) * 100 < 50}
+    salt = canary_salt(rollout_id, cohort_secret=client.app.state.cohort_secret)  # type: ignore[attr-defined]
+    formula = {w for w in ids if sticky_fraction(w, salt) * 100 < 50}
     in_canary_example = sorted(formula)[0]
     out_example = sorted(set(ids) - formula)[0]
     assert fetch(client, worker_key, in_canary_example).policy.id == draft
@@ -259,7 +261,8 @@ def test_traffic_mode_gives_every_targeted_worker_the_canary_share(
         assert payload.canary is not None
         assert payload.canary.revision.id == draft
         assert payload.canary.traffic_percent == 10
-        assert payload.canary.salt == "rollout:" + rollout_id
+        assert payload.canary.salt == canary_salt(
+            rollout_id, cohort_secret=client.app.state.cohort_secret)  # type: ignore[attr-defined]
     for worker_id in ("wrong-zone", "no-labels", "wrong-pool"):
         payload = fetch(client, worker_key, worker_id)
         assert (payload.policy.id, payload.canary) == (active, None)

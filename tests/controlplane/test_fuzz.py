@@ -74,8 +74,10 @@ from __future__ import annotations
 
 import inspect
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,9 +127,12 @@ GENERATION = {"max-examples": MAX_EXAMPLES, "with-security-parameters": False, "
 REFUSED = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
 CHECK_CONFIG = {"negative_data_rejection": {"expected-statuses": REFUSED}}
 
-# The schema is the app's own /openapi.json. Loading it needs no database (with a signing key
-# given the lifespan reads nothing, and SQLite connects lazily); requests go to the target's app.
-_schema_app = create_app(ControlPlaneSettings(database_url="sqlite:///:memory:",
+# The schema is the app's own /openapi.json; requests go to the target's app. Its lifespan reads the
+# cohort secret (made on first start), so even loading the schema needs a migrated database.
+_schema_dir = tempfile.TemporaryDirectory(prefix="specgate-fuzz-schema-")
+_schema_url = f"sqlite:///{Path(_schema_dir.name) / 'schema.db'}"
+upgrade(_schema_url)
+_schema_app = create_app(ControlPlaneSettings(database_url=_schema_url,
                                               signing_key=SigningKey.generate().private_key_b64()))
 schema = schemathesis.openapi.from_asgi(
     "/openapi.json", _schema_app,

@@ -22,8 +22,8 @@ def test_upgrade_matches_models_and_downgrade_removes_everything(database_url: s
                                     Base.metadata)
             assert diff == [], f"models and migrations disagree: {diff}"
             # The one fleet_state row is created by the migration, not by code.
-            state = conn.execute(select(FleetState.id, FleetState.kill_switch, FleetState.generation)).all()
-            assert [tuple(r) for r in state] == [(1, False, 0)]
+            state = conn.execute(select(FleetState.id, FleetState.kill_switch)).all()
+            assert [tuple(r) for r in state] == [(1, False)]
         tables = set(inspect(engine).get_table_names())
         assert {"policies", "revisions", "rollouts", "rollout_steps", "workers", "api_keys",
                 "audit_events", "fleet_state"} <= tables

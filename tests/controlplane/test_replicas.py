@@ -19,11 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
+from controlplane.rollout.service import canary_salt, fleet_cohort_secret
 from controlplane.settings import ControlPlaneSettings
 from policies import BundleVerifier, SigningKey
 from tests.support import paths
 from tests.support.factories import seed_policy, seed_text
-from tests.support.fleet_rows import add_rollout, set_kill_switch
+from tests.support.fleet_rows import add_rollout, session_for, set_kill_switch
 from tests.support.live import free_port
 
 ROOT = paths.ROOT
@@ -168,7 +169,8 @@ def test_a_worker_relabelled_through_one_replica_gets_its_canary_on_the_other(
     assert response.status_code == 200, response.text
     canary = response.json()["payload"]["canary"]
     assert canary["revision"] == draft
-    assert canary["salt"] == "rollout:" + rollout_id
+    with session_for(settings.database_url) as session:
+        assert canary["salt"] == canary_salt(rollout_id, cohort_secret=fleet_cohort_secret(session))
     assert done - changed < 3
 
 

@@ -670,11 +670,12 @@ def test_viewers_read_workers_do_nothing_here(
 def test_worker_in_canary_is_sticky_monotonic_and_near_the_percent() -> None:
     workers = [f"worker-{i:04d}" for i in range(2000)]
     rollout_id = "0123456789abcdef0123456789abcdef"
-    assert canary_salt(rollout_id) == "rollout:" + rollout_id
+    secret = "ab" * 32
+    assert canary_salt(rollout_id, cohort_secret=secret) != canary_salt(rollout_id, cohort_secret="cd" * 32)
     n = len(workers)
     cohorts = {}
     for percent in (1, 10, 50, 90):
-        cohort = {w for w in workers if worker_in_canary(w, rollout_id, percent)}
+        cohort = {w for w in workers if worker_in_canary(w, rollout_id, percent, cohort_secret=secret)}
         p = percent / 100
         # 5 standard deviations: a correct hash fails this about once in 3.5 million runs.
         bound = 5 * math.sqrt(n * p * (1 - p))
@@ -682,11 +683,11 @@ def test_worker_in_canary_is_sticky_monotonic_and_near_the_percent() -> None:
         cohorts[percent] = cohort
     assert cohorts[10] <= cohorts[50] <= cohorts[90]
     assert cohorts[1] <= cohorts[10]
-    assert not any(worker_in_canary(w, rollout_id, 0) for w in workers)
-    assert all(worker_in_canary(w, rollout_id, 100) for w in workers)
+    assert not any(worker_in_canary(w, rollout_id, 0, cohort_secret=secret) for w in workers)
+    assert all(worker_in_canary(w, rollout_id, 100, cohort_secret=secret) for w in workers)
     # Sticky per rollout, independent across rollouts.
-    assert cohorts[50] == {w for w in workers if worker_in_canary(w, rollout_id, 50)}
-    other = {w for w in workers if worker_in_canary(w, "another-rollout", 50)}
+    assert cohorts[50] == {w for w in workers if worker_in_canary(w, rollout_id, 50, cohort_secret=secret)}
+    other = {w for w in workers if worker_in_canary(w, "another-rollout", 50, cohort_secret=secret)}
     assert other != cohorts[50]
     overlap = len(other & cohorts[50])
     assert abs(overlap - n * 0.25) <= 5 * math.sqrt(n * 0.25 * 0.75)

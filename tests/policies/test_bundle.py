@@ -68,12 +68,14 @@ def sign_raw(key: SigningKey, payload: dict[str, Any]) -> dict[str, Any]:
     validity) hold on their own, for payloads a buggy control plane could sign.
     """
     private = Ed25519PrivateKey.from_private_bytes(base64.b64decode(key.private_key_b64()))
-    body = canonical_json(payload)
+    delivery = {"generation": 0, "pool": "", "expires_at": 0}
+    signed = {**payload, **{k: v for k, v in delivery.items() if k not in payload}}
+    content = {k: v for k, v in signed.items() if k not in delivery}
+    body = canonical_json(signed)
     return {
-        "payload": payload,
-        "etag": hashlib.sha256(body).hexdigest(),
-        "key_id": key.key_id,
-        "signature": base64.b64encode(private.sign(body)).decode(),
+        "payload": signed,
+        "etag": hashlib.sha256(canonical_json(content)).hexdigest(),
+        "signatures": [{"key_id": key.key_id, "signature": base64.b64encode(private.sign(body)).decode()}],
     }
 
 
@@ -193,7 +195,7 @@ def _payload(kill_switch: bool = False, percent: float | None = None,
 ], ids=["plain", "kill-switch", "canary", "canary-100"])
 def test_sign_verify_round_trip(key: SigningKey, verifier: BundleVerifier, payload: BundlePayload) -> None:
     envelope = over_the_wire(key.sign(payload))
-    assert envelope["key_id"] == key.key_id
+    assert [s["key_id"] for s in envelope["signatures"]] == [key.key_id]
     assert envelope["etag"] == payload.etag
     verified = verifier.verify(envelope)
     assert verified == payload
@@ -241,9 +243,9 @@ def test_tampered_payload_is_rejected(key: SigningKey, verifier: BundleVerifier,
 def test_unsigned_bundle_is_rejected(key: SigningKey, verifier: BundleVerifier, signature: Any) -> None:
     envelope = over_the_wire(key.sign(_payload()))
     if signature == "<missing>":
-        del envelope["signature"]
+        del envelope["signatures"]
     else:
-        envelope["signature"] = signature
+        envelope["signatures"] = signature
     with pytest.raises(BundleSignatureError, match="unsigned"):
         verifier.verify(envelope)
 
@@ -251,7 +253,7 @@ def test_unsigned_bundle_is_rejected(key: SigningKey, verifier: BundleVerifier, 
 @pytest.mark.parametrize("signature", ["not base64!", 12345, base64.b64encode(b"short").decode()])
 def test_malformed_signature_is_rejected(key: SigningKey, verifier: BundleVerifier, signature: Any) -> None:
     envelope = over_the_wire(key.sign(_payload()))
-    envelope["signature"] = signature
+    envelope["signatures"][0]["signature"] = signature
     with pytest.raises(BundleSignatureError):
         verifier.verify(envelope)
 
@@ -266,7 +268,7 @@ def test_signature_from_another_key_is_rejected(verifier: BundleVerifier) -> Non
 def test_signature_from_another_key_claiming_the_trusted_key_id_is_rejected(
         key: SigningKey, verifier: BundleVerifier) -> None:
     envelope = over_the_wire(SigningKey.generate().sign(_payload()))
-    envelope["key_id"] = key.key_id
+    envelope["signatures"][0]["key_id"] = key.key_id
     with pytest.raises(BundleSignatureError, match="does not match"):
         verifier.verify(envelope)
 

@@ -16,7 +16,7 @@ from sqlalchemy import delete
 
 from controlplane.migrations_state import upgrade
 from controlplane.models import Worker
-from policies import BundlePayload, PolicyStore, SigningKey
+from policies import BundlePayload, Delivery, PolicyStore, SigningKey
 from sidecar.settings import SidecarSettings
 from sidecar.sync import PolicySync, _problem
 from tests.support.factories import seed_policy
@@ -289,7 +289,9 @@ def test_a_tampered_or_foreign_last_known_good_file_is_refused(control_plane: Co
         envelope = json.loads(good)
         envelope["payload"]["kill_switch"] = True  # signature left as it was
         tampered = json.dumps(envelope).encode()
-        foreign = json.dumps(SigningKey.generate().sign(BundlePayload.from_dict(envelope["payload"]))).encode()
+        delivery = Delivery.from_dict(envelope["payload"])
+        content = {k: v for k, v in envelope["payload"].items() if k not in delivery.to_dict()}
+        foreign = json.dumps(SigningKey.generate().sign(BundlePayload.from_dict(content), delivery)).encode()
         for bad, why in ((tampered, "does not match"), (foreign, "unknown key")):
             lkg.write_bytes(bad)
             store = PolicyStore()

@@ -24,7 +24,9 @@ def mint_keys(database_url: str) -> dict[Scope, str]:
     names = {Scope.admin: "alice", Scope.operator: "olga", Scope.viewer: "victor", Scope.worker: "fleet-sidecar"}
     try:
         with unit_of_work(make_sessionmaker(engine)) as session:
-            return {scope: create_key(session, name=name, scope=scope, created_by="test:fixture")[1]
+            # The worker key acts for the seeded fleet (tests/support/dashboard_seed.py: pool "fleet").
+            return {scope: create_key(session, name=name, scope=scope, created_by="test:fixture",
+                                      pool="fleet" if scope is Scope.worker else None)[1]
                     for scope, name in names.items()}
     finally:
         engine.dispose()

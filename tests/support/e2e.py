@@ -197,7 +197,9 @@ class ControlPlaneProcess:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = directory / "control-plane.log"
         with session_for(database_url) as session:
-            _, self.worker_token = create_key(session, name="sidecar", scope=Scope.worker, created_by="e2e")
+            # The sidecars of these runs register into pool "default" (issue 16: worker keys are bound).
+            _, self.worker_token = create_key(session, name="sidecar", scope=Scope.worker, created_by="e2e",
+                                              pool="default")
             _, self.admin_token = create_key(session, name="admin", scope=Scope.admin, created_by="e2e")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "OTEL_"))}
         self.env.update({"SPECGATE_DATABASE_URL": database_url,

@@ -72,7 +72,10 @@ class ControlPlane:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         with session_for(database_url) as session:
-            _, self.worker_token = create_key(session, name="sidecar", scope=Scope.worker, created_by="test")
+            # Bound (issue 16) to the workers the sidecar tests run with this key: test_sync's, test_main's,
+            # and test_telemetry's, which sends telemetry without registering.
+            _, self.worker_token = create_key(session, name="sidecar", scope=Scope.worker, created_by="test",
+                                              worker_ids=[WORKER_ID, "w-main", "w1"])
             _, self.admin_token = create_key(session, name="admin", scope=Scope.admin, created_by="test")
 
     def start(self, signing_key: SigningKey | None = None) -> None:

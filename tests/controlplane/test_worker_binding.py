@@ -1,0 +1,186 @@
+"""Worker keys are bound to the workers they may act as (issue 16, finding 3).
+
+Before, any worker key acted as any worker: a second key re-registered another worker into another pool
+with its own engine URL, heartbeated as it and sent telemetry as it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from controlplane.auth.schemas import Scope
+from controlplane.models import ApiKey, TelemetryEventRecord
+from controlplane.settings import ControlPlaneSettings
+from specgate.cli import app as cli_app
+from tests.support.auth import bearer
+from tests.support.factories import seed_policy
+from tests.support.fleet_rows import register, session_for
+from tests.support.telemetry_bodies import event
+
+MakeKey = Callable[..., str]
+
+
+def _register(client: TestClient, key: dict[str, str], worker_id: str, pool: str,
+              engine: str = "http://127.0.0.1:8000") -> Any:
+    return client.post("/v1/workers/register", headers=key, json={
+        "id": worker_id, "pool": pool, "labels": {}, "engines": {"base": engine}, "sidecar_version": "0.1.0"})
+
+
+def _send(client: TestClient, key: dict[str, str], body: dict[str, Any]) -> Any:
+    return client.post("/v1/telemetry/batches", headers={**key, "Content-Type": "application/json",
+                                                         "Content-Encoding": "gzip"},
+                       content=gzip.compress(json.dumps(body).encode()))
+
+
+def _stored_ids(settings: ControlPlaneSettings) -> set[str]:
+    with session_for(settings.database_url) as session:
+        return set(session.scalars(select(TelemetryEventRecord.event_id)))
+
+
+def _forbidden_naming(response: Any, worker_id: str) -> None:
+    assert response.status_code == 403, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body = response.json()
+    assert body["type"].endswith("/worker-not-allowed")
+    assert body["worker"] == worker_id
+    assert repr(worker_id) in body["detail"]
+
+
+def test_a_second_worker_key_cannot_act_as_another_pools_worker(
+        client: TestClient, settings: ControlPlaneSettings, make_key: MakeKey, admin: dict[str, str]) -> None:
+    seed_policy(settings.database_url)
+    victim = bearer(make_key(Scope.worker, "sidecar-a", pool="pool-a"))
+    attacker = bearer(make_key(Scope.worker, "sidecar-b", pool="pool-b"))
+    assert _register(client, victim, "gpu-a", "pool-a").status_code == 201
+    assert _register(client, attacker, "gpu-b", "pool-b").status_code == 201
+
+    # The issue's attack: re-register A into the attacker's pool with an engine of its own.
+    _forbidden_naming(_register(client, attacker, "gpu-a", "pool-b", engine="http://attacker:1"), "gpu-a")
+    # ... nor into A's own pool: the key may register only into pool-b.
+    assert _register(client, attacker, "gpu-a", "pool-a").status_code == 403
+    worker = client.get("/v1/workers", params={"pool": "pool-a"}, headers=admin).json()["items"][0]
+    assert (worker["id"], worker["engines"]) == ("gpu-a", {"base": "http://127.0.0.1:8000"})
+
+    _forbidden_naming(client.post("/v1/workers/gpu-a/heartbeat", json={}, headers=attacker), "gpu-a")
+    _forbidden_naming(client.get("/v1/bundle", params={"worker": "gpu-a"}, headers=attacker), "gpu-a")
+    _forbidden_naming(client.get("/v1/bundle/events", params={"worker": "gpu-a"}, headers=attacker), "gpu-a")
+
+    # The owners keep working, and an admin key still reads any bundle.
+    assert client.post("/v1/workers/gpu-a/heartbeat", json={}, headers=victim).status_code == 200
+    assert client.get("/v1/bundle", params={"worker": "gpu-a"}, headers=victim).status_code == 200
+    assert client.get("/v1/bundle", params={"worker": "gpu-a"}, headers=admin).status_code == 200
+    assert client.get("/v1/bundle", params={"worker": "gpu-b"}, headers=attacker).status_code == 200
+
+
+def test_telemetry_for_another_worker_is_refused_per_event_and_the_rest_stored(
+        client: TestClient, settings: ControlPlaneSettings, make_key: MakeKey) -> None:
+    victim = bearer(make_key(Scope.worker, "sidecar-a", pool="pool-a"))
+    attacker = bearer(make_key(Scope.worker, "sidecar-b", worker_ids=["gpu-b"]))
+    assert _register(client, victim, "gpu-a", "pool-a").status_code == 201
+
+    body = {"batch_id": "b-mixed", "worker_id": "gpu-b", "schema_version": 1, "events": [
+        event(0, worker_id="gpu-b"), event(1, worker_id="gpu-a"), event(2, worker_id="gpu-b"),
+        event(3, worker_id="ghost")]}
+    r = _send(client, attacker, body)
+    assert r.status_code == 200, r.text
+    ack = r.json()
+    assert (ack["accepted"], ack["stored"], ack["rejected_count"]) == (2, 2, 2)
+    assert [(x["index"], [(e["path"], e["code"]) for e in x["errors"]]) for x in ack["rejected"]] == [
+        (1, [("worker_id", "worker_not_allowed")]), (3, [("worker_id", "worker_not_allowed")])]
+    assert _stored_ids(settings) == {"ev-0", "ev-2"}
+
+    # A batch sent in another worker's name is refused whole.
+    whole = _send(client, attacker, {"batch_id": "b-as-a", "worker_id": "gpu-a", "schema_version": 1,
+                                     "events": [event(9, worker_id="gpu-b")]})
+    _forbidden_naming(whole, "gpu-a")
+    unregistered = _send(client, attacker, {"batch_id": "b-as-ghost", "worker_id": "ghost", "schema_version": 1,
+                                            "events": [event(8, worker_id="gpu-b")]})
+    _forbidden_naming(unregistered, "ghost")
+    # The pool key sends for its registered worker.
+    own = _send(client, victim, {"batch_id": "b-a", "worker_id": "gpu-a", "schema_version": 1,
+                                 "events": [event(5, worker_id="gpu-a")]})
+    assert own.json()["stored"] == 1
+    assert _stored_ids(settings) == {"ev-0", "ev-2", "ev-5"}
+
+
+def test_an_unbound_key_binds_itself_to_its_first_registration(
+        client: TestClient, settings: ControlPlaneSettings, make_key: MakeKey, admin: dict[str, str]) -> None:
+    old = bearer(make_key(Scope.worker, "legacy"))
+    owner = bearer(make_key(Scope.worker, "owner", worker_ids=["taken"]))
+    assert _register(client, owner, "taken", "pool-a").status_code == 201
+    # Before registering it acts as nobody registered, and cannot claim a worker bound to another key.
+    assert client.post("/v1/workers/taken/heartbeat", json={}, headers=old).status_code == 403
+    _forbidden_naming(_register(client, old, "taken", "pool-a"), "taken")
+
+    assert _register(client, old, "mine", "pool-x").status_code == 201
+    assert client.post("/v1/workers/mine/heartbeat", json={}, headers=old).status_code == 200
+    # Now bound: no second worker.
+    _forbidden_naming(_register(client, old, "second", "pool-x"), "second")
+
+    keys = {k["name"]: k for k in client.get("/v1/keys", headers=admin).json()}
+    assert (keys["legacy"]["pool"], keys["legacy"]["worker_ids"]) == (None, ["mine"])
+    assert (keys["owner"]["pool"], keys["owner"]["worker_ids"]) == (None, ["taken"])
+    binds = client.get("/v1/audit", params={"action": "key.bind"}, headers=admin).json()["items"]
+    assert [(b["target_id"], b["after"]) for b in binds] == [
+        (keys["legacy"]["id"], {"pool": None, "worker_ids": ["mine"]})]
+
+
+def test_the_binding_is_given_at_creation_audited_and_listed(client: TestClient, admin: dict[str, str]) -> None:
+    r = client.post("/v1/keys", headers=admin, json={"name": "rack-7", "scope": "worker", "pool": "gpu",
+                                                     "worker_ids": ["w-2", "w-1", "w-2"]})
+    assert r.status_code == 201, r.text
+    assert (r.json()["pool"], r.json()["worker_ids"]) == ("gpu", ["w-1", "w-2"])
+    created = client.get("/v1/audit", params={"action": "key.create"}, headers=admin).json()["items"]
+    after = next(e["after"] for e in created if e["target_id"] == r.json()["id"])
+    assert (after["pool"], after["worker_ids"]) == ("gpu", ["w-1", "w-2"])
+
+    token = bearer(r.json()["token"])
+    assert _register(client, token, "w-9", "gpu").status_code == 201  # any worker of its pool
+    assert _register(client, token, "w-1", "elsewhere").status_code == 201  # a worker it names, anywhere
+    _forbidden_naming(_register(client, token, "w-8", "elsewhere"), "w-8")
+
+
+def test_a_binding_on_a_non_worker_key_or_a_bad_binding_is_422_naming_the_field(
+        client: TestClient, admin: dict[str, str]) -> None:
+    for body, path in (({"scope": "operator", "pool": "gpu"}, "pool"),
+                       ({"scope": "viewer", "worker_ids": ["w-1"]}, "worker_ids"),
+                       ({"scope": "worker", "worker_ids": ["not an id"]}, "worker_ids[0]"),
+                       ({"scope": "worker", "worker_ids": []}, "worker_ids"),
+                       ({"scope": "worker", "worker_ids": [f"w{i}" for i in range(1001)]}, "worker_ids"),
+                       ({"scope": "worker", "pool": ""}, "pool")):
+        r = client.post("/v1/keys", headers=admin, json={"name": "k", **body})
+        assert r.status_code == 422, (body, r.text)
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert [e["path"] for e in r.json()["errors"]] == [path], (body, r.json())
+
+
+def test_cli_creates_a_pool_bound_worker_key(settings: ControlPlaneSettings, client: TestClient) -> None:
+    env = {"SPECGATE_DATABASE_URL": settings.database_url}
+    result = CliRunner().invoke(cli_app, ["keys", "create", "--scope", "worker", "--name", "rack",
+                                          "--pool", "gpu", "--worker", "w-1", "--worker", "w-2"], env=env)
+    assert result.exit_code == 0, result.output
+    assert re.fullmatch(r"sgk_\S+\n", result.stdout)
+    with session_for(settings.database_url) as session:
+        key = session.scalars(select(ApiKey).where(ApiKey.name == "rack")).one()
+        assert (key.pool, key.worker_ids) == ("gpu", ["w-1", "w-2"])
+    token = bearer(result.stdout.strip())
+    assert _register(client, token, "w-5", "gpu").status_code == 201
+    assert _register(client, token, "w-6", "cpu").status_code == 403
+
+    refused = CliRunner().invoke(cli_app, ["keys", "create", "--scope", "viewer", "--name", "v", "--pool", "gpu"],
+                                 env=env)
+    assert refused.exit_code == 2
+    assert "--pool" in refused.stderr
+
+
+def test_the_tests_fleet_key_registers_into_its_pool(client: TestClient, worker_key: dict[str, str]) -> None:
+    # fleet_rows.register's default pool is the fixture key's pool.
+    assert register(client, worker_key, "any-id")["pool"] == "pool-a"
