@@ -8,14 +8,13 @@ import secrets
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record
 from controlplane.auth.repository import ApiKeyRepository
 from controlplane.auth.schemas import Scope
 from controlplane.errors import Conflict, Forbidden, NotFound, Unauthorized, ValidationFailed
-from controlplane.models import ApiKey, Worker, utcnow
+from controlplane.models import ApiKey, utcnow
 from wire.problems import ProblemCode
 
 TOKEN_PREFIX = "sgk_"  # noqa: S105 - a public marker, not a secret
@@ -128,8 +127,7 @@ class WorkerGrant:
         missing = [w for w in worker_ids if w not in self._pools]
         if not missing:
             return
-        rows = self.session.execute(select(Worker.id, Worker.pool).where(Worker.id.in_(missing)))
-        found = {worker_id: pool for worker_id, pool in rows}
+        found = ApiKeyRepository(self.session).worker_pools(missing)
         for worker_id in missing:
             self._pools[worker_id] = found.get(worker_id)
 
@@ -168,12 +166,10 @@ def authorize_worker(session: Session, principal: Principal, worker_id: str) -> 
     WorkerGrant(session, principal).check(worker_id)
 
 
-def _claimed_by_another(session: Session, key_id: str, worker_id: str, pool: str | None) -> bool:
+def _claimed_by_another(keys: ApiKeyRepository, key_id: str, worker_id: str, pool: str | None) -> bool:
     """Whether another live worker key is bound to this worker id, or to the pool it is registered in."""
-    keys = session.execute(select(ApiKey.pool, ApiKey.worker_ids).where(
-        ApiKey.scope == Scope.worker.value, ApiKey.revoked_at.is_(None), ApiKey.id != key_id))
     return any((ids is not None and worker_id in ids) or (pool is not None and key_pool == pool)
-               for key_pool, ids in keys)
+               for key_pool, ids in keys.other_worker_bindings(key_id))
 
 
 def authorize_registration(session: Session, principal: Principal, worker_id: str, pool: str,
@@ -182,12 +178,19 @@ def authorize_registration(session: Session, principal: Principal, worker_id: st
     not registered). An unbound key is bound here to ``worker_id`` (trust on first use), audited."""
     p = principal
     if p.unbound:
-        # Registration is rare: reading the other worker keys' bindings costs nothing that matters.
-        if _claimed_by_another(session, p.key_id, worker_id, existing_pool):
-            raise _not_allowed(p, worker_id, "the worker is bound to another key")
-        key = ApiKeyRepository(session).get(p.key_id)
+        # Registration is rare: locking and reading the other worker keys' bindings costs nothing that matters.
+        keys = ApiKeyRepository(session)
+        keys.lock_worker_bindings()
+        key = keys.get(p.key_id)
         if key is None:  # pragma: no cover - the key was read by this request's authentication
             raise Unauthorized("the API key is not known")
+        session.refresh(key)  # what a concurrent registration with this very key committed before the lock
+        if key.worker_ids is not None or key.pool is not None:
+            if key.worker_ids is not None and worker_id in key.worker_ids:
+                return
+            raise _not_allowed(p, worker_id, "a concurrent registration bound the key to another worker")
+        if _claimed_by_another(keys, p.key_id, worker_id, existing_pool):
+            raise _not_allowed(p, worker_id, "the worker is bound to another key")
         key.worker_ids = [worker_id]
         record(session, actor=p.actor, action="key.bind", target_type="api_key", target_id=key.id,
                before=binding_of(None, None), after=binding_of(None, [worker_id]))

@@ -9,14 +9,18 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 from typer.testing import CliRunner
 
 from controlplane.auth.schemas import Scope
+from controlplane.auth.service import WorkerNotAllowed, authenticate, authorize_registration
+from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.models import ApiKey, TelemetryEventRecord
 from controlplane.settings import ControlPlaneSettings
 from specgate.cli import app as cli_app
@@ -184,3 +188,41 @@ def test_cli_creates_a_pool_bound_worker_key(settings: ControlPlaneSettings, cli
 def test_the_tests_fleet_key_registers_into_its_pool(client: TestClient, worker_key: dict[str, str]) -> None:
     # fleet_rows.register's default pool is the fixture key's pool.
     assert register(client, worker_key, "any-id")["pool"] == "pool-a"
+
+
+@pytest.mark.parametrize("same_key", [False, True], ids=["two-keys-one-worker", "one-key-two-workers"])
+def test_concurrent_first_registrations_bind_a_worker_to_one_key_and_a_key_to_one_worker(
+        migrated_url: str, make_key: MakeKey, same_key: bool) -> None:
+    first_token = make_key(Scope.worker, "legacy-a")
+    second_token = first_token if same_key else make_key(Scope.worker, "legacy-b")
+    second_worker = "w-2" if same_key else "w-1"
+    engine = make_engine(migrated_url)
+    sessions = make_sessionmaker(engine)
+    try:
+        # Both requests authenticated while their keys were still unbound.
+        with unit_of_work(sessions) as session:
+            first, second = authenticate(session, first_token), authenticate(session, second_token)
+        outcome: list[Any] = []
+
+        def register_second() -> None:
+            try:
+                with unit_of_work(sessions) as session:
+                    outcome.append(authorize_registration(session, second, second_worker, "p", None))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        with unit_of_work(sessions) as session:
+            authorize_registration(session, first, "w-1", "p", None)
+            thread = threading.Thread(target=register_second)
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive(), "the second binding did not wait for the first"
+        thread.join(30)
+        assert not thread.is_alive()
+        [result] = outcome
+        assert isinstance(result, WorkerNotAllowed), result
+        with unit_of_work(sessions) as session:
+            bindings = {key.name: key.worker_ids for key in session.scalars(select(ApiKey))}
+    finally:
+        engine.dispose()
+    assert bindings == ({"legacy-a": ["w-1"]} if same_key else {"legacy-a": ["w-1"], "legacy-b": None})
