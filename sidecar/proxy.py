@@ -57,13 +57,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import aiohttp
-import jsonschema
 from yarl import URL
 
 from policies import CompiledBundle, Decision, PolicyStore, RequestShape
 from sidecar.batch import BatchEstimator, EngineScraper, InFlight
 from sidecar.classify import JSON_OBJECT, RequestError, check_text, classify, output_schema_at
 from sidecar.metrics import SidecarMetrics
+from sidecar.output_schema import compile_output_schema
 from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
 from sidecar.upstream import Headers, Response, Upstream, UpstreamError
@@ -176,15 +176,11 @@ _MISSING: Any = object()
 
 
 def _compile_schema(schema: Any) -> Any:
-    """A validator of ``schema``, or None when it is no valid schema (no verdict). Runs in a worker thread:
-    ``check_schema`` of a large schema takes seconds of pure Python, which on the loop would stall every
-    request and ``/healthz`` with it."""
-    try:
-        cls = jsonschema.validators.validator_for(schema)
-        cls.check_schema(schema)
-        return cls(schema)
-    except (jsonschema.exceptions.SchemaError, RecursionError):
-        return None
+    """A validator of ``schema``, or None (no verdict). Runs in a worker thread: ``check_schema`` of a large
+    schema takes seconds of pure Python, which on the loop would stall every request and ``/healthz`` with
+    it; the validator's regular expressions are RE2's (sidecar/output_schema.py), so checking an answer on
+    the loop is linear in the answer."""
+    return compile_output_schema(schema)
 
 
 class _SchemaCache:
