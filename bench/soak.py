@@ -1020,6 +1020,14 @@ def slope_per_min(samples: list[tuple[float, int, float, float]], column: int, s
     return None if sxx == 0 else round(sxy / sxx * 60.0, 3)
 
 
+def rss_by_minute(samples: list[tuple[float, int, float, float]]) -> list[list[float]]:
+    """[minute, incarnation, RSS MiB] of the last sample in each minute of each incarnation."""
+    last: dict[tuple[int, int], float] = {}
+    for at, incarnation, rss, _pss in samples:
+        last[(int(at // 60), incarnation)] = rss
+    return [[minute, incarnation, round(rss, 1)] for (minute, incarnation), rss in sorted(last.items())]
+
+
 def _phases(soak: Soak, end: float) -> list[dict[str, Any]]:
     bounds = [("steady", 0.0, "")] + [(f.name, f.at, f.target) for f in soak.faults if not f.skipped]
     hostile: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -1175,7 +1183,9 @@ def build_report(soak: Soak, events: list[dict[str, Any]], drained: dict[str, An
                         "rss_max_mib": round(max(rss), 1),
                         "rss_slope_mib_per_min": slope_per_min(samples, 2, skip_s=10.0),
                         "pss_last_mib": round(samples[-1][3], 1),
-                        "pss_slope_mib_per_min": slope_per_min(samples, 3, skip_s=10.0)}
+                        "pss_slope_mib_per_min": slope_per_min(samples, 3, skip_s=10.0),
+                        # The curve, to tell filling caches (flattening) from a leak (a straight line).
+                        "rss_by_minute": rss_by_minute(samples)}
 
     judged = config.minutes >= MEMORY_JUDGED_MIN
     growing = sorted(name for name, m in memory.items()

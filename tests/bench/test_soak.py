@@ -105,3 +105,9 @@ def test_memory_slope_is_fitted_within_each_incarnation() -> None:
     samples += [(t, 2, 50.0 + t / 60, 0.0) for t in range(120, 240, 5)]
     assert soak.slope_per_min(samples, 2, skip_s=0.0) == 1.0
     assert soak.slope_per_min(samples[:2], 2, skip_s=0.0) is None
+
+
+def test_the_rss_curve_keeps_each_minutes_last_sample_per_incarnation() -> None:
+    samples = [(5.0, 1, 100.0, 0.0), (55.0, 1, 101.0, 0.0), (65.0, 1, 102.0, 0.0), (70.0, 2, 90.0, 0.0),
+               (130.0, 2, 91.26, 0.0)]
+    assert soak.rss_by_minute(samples) == [[0, 1, 101.0], [1, 1, 102.0], [1, 2, 90.0], [2, 2, 91.3]]
