@@ -41,7 +41,8 @@ Accounting, after the telemetry has drained:
   problem type, or an error event in the stream with its type), a transport
   failure of a sidecar while the soak had it killed, or **unaccounted**
   (anything else: a hang, a 5xx without a problem type, a hostile request
-  answered 5xx, a truncated answer, a connection failure outside a kill);
+  answered 5xx other than ``upstream-unavailable`` while the soak had an
+  engine killed, a truncated answer, a connection failure outside a kill);
 * every request a sidecar decided and answered (it carries
   ``X-Specgate-Decision``) has exactly one stored telemetry event (by request
   id; no duplicates, no events of unknown requests), with status ``ok`` when
@@ -488,6 +489,7 @@ class Request:
     rule: str | None = None
     revision: str | None = None
     ttft: float | None = None
+    error_type: str | None = None  # the problem type (or engine error type) of an error answer
 
     @property
     def hostile(self) -> bool:
@@ -801,7 +803,7 @@ class Soak:
                 ok = False
             r.outcome, r.detail = ("ok", "") if ok else ("bad", f"HTTP {status} without choices: {body[:120]!r}")
             return
-        kind = _error_type(body, ctype)
+        kind = r.error_type = _error_type(body, ctype)
         if status >= 400 and kind is not None and not (status >= 500 and r.hostile):
             r.outcome, r.detail = "error", f"HTTP {status} {kind}"
         else:
@@ -1080,6 +1082,11 @@ def build_report(soak: Soak, events: list[dict[str, Any]], drained: dict[str, An
                 return kill
         return None
 
+    def engine_was_down(r: Request) -> bool:
+        """Whether the soak had an engine killed (until it was back, plus a second) while ``r`` ran."""
+        return any(f.name == "engine_kill" and f.done and r.start <= f.done + 1.0 and r.end >= f.at - 0.5
+                   for f in soak.faults)
+
     outcomes: Counter[str] = Counter()
     unaccounted: list[dict[str, Any]] = []
     hostile: dict[str, Counter[str]] = defaultdict(Counter)
@@ -1089,6 +1096,13 @@ def build_report(soak: Soak, events: list[dict[str, Any]], drained: dict[str, An
         elif r.outcome == "ok":
             category = "ok"
         elif r.outcome == "error":
+            category = "clear error"
+        elif (r.outcome == "bad" and r.hostile and (r.error_type or "").endswith("/upstream-unavailable")
+              and engine_was_down(r)):
+            # A hostile request the engine would have answered, caught by the engine kill like any other:
+            # the 5xx is the outage's, not the input's (an input that takes an engine down does so outside
+            # the kill's window and stays unaccounted).
+            r.outcome, r.detail = "error", f"{r.detail} (an engine the soak had killed)"
             category = "clear error"
         else:
             category = "unaccounted"
