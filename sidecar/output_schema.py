@@ -1,4 +1,4 @@
-"""Validators of client-given output schemas whose regular expressions run in linear time.
+"""Validators of client-given output schemas whose regular expressions and ``uniqueItems`` run in linear time.
 
 A structured request's ``json_schema`` comes from the client, and the answer it
 is checked against can be steered by the client's prompt. jsonschema matches
@@ -13,6 +13,11 @@ no validator: the request is still served, its event says no verdict
 (``structured_valid`` null) rather than risk the stall. So does a schema that
 combines ``unevaluatedProperties`` with ``patternProperties``, whose
 evaluation inside jsonschema would match with ``re`` again.
+
+References resolve within the schema and to the bundled metaschemas only:
+jsonschema's default would fetch a remote ``$ref`` (http, file) with no
+timeout while the answer is checked, on the loop, from the client's URL.
+Such a reference leaves the request without a verdict.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Final
 
 import jsonschema
 import re2
+from jsonschema_specifications import REGISTRY as METASCHEMAS
 
 # Per pattern, what RE2 may use for its automata; a pattern needing more is refused (no verdict).
 MAX_PATTERN_MEMORY: Final = 1 << 20
@@ -96,8 +102,35 @@ def _with_linear_patterns(cls: Any, search: Search) -> Any:
             yield jsonschema.ValidationError(f"additional properties are not allowed ({sorted(extras)!r})")
 
     keywords = {"pattern": pattern, "patternProperties": pattern_properties,
-                "additionalProperties": additional_properties}
+                "additionalProperties": additional_properties, "uniqueItems": unique_items}
     return jsonschema.validators.extend(cls, keywords)  # type: ignore[no-untyped-call]
+
+
+def _canonical(value: Any) -> Any:
+    """A hashable form equal exactly when jsonschema's equality holds: 1 and 1.0 alike, True and 1 not,
+    objects regardless of key order."""
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, int | float):
+        return ("n", int(value) if isinstance(value, float) and value.is_integer() else value)
+    if isinstance(value, str):
+        return ("s", value)
+    if value is None:
+        return ("z",)
+    if isinstance(value, list):
+        return ("l", tuple(_canonical(v) for v in value))
+    if isinstance(value, dict):
+        return ("d", frozenset((k, _canonical(v)) for k, v in value.items()))
+    return ("o", id(value))  # JSON gives nothing else
+
+
+def unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    """``uniqueItems`` by hashing, linear in the array: jsonschema compares unhashable items pairwise, which
+    for an answer of 8,000 small objects is about a minute on the loop."""
+    if unique and validator.is_type(instance, "array"):
+        seen = {_canonical(item) for item in instance}
+        if len(seen) < len(instance):
+            yield jsonschema.ValidationError(f"{instance!r} has non-unique elements")
 
 
 def compile_output_schema(schema: Any) -> Any:
@@ -109,9 +142,7 @@ def compile_output_schema(schema: Any) -> Any:
     except (jsonschema.exceptions.SchemaError, RecursionError):
         return None
     patterns, unevaluated = _patterns(schema)
-    if not patterns:
-        return cls(schema)
-    if unevaluated and any(key == "patternProperties" for key, _ in _walk(schema)):
+    if patterns and unevaluated and any(key == "patternProperties" for key, _ in _walk(schema)):
         return None
     options = _options()
     compiled = {}
@@ -127,4 +158,4 @@ def compile_output_schema(schema: Any) -> Any:
             raise LookupError(f"pattern {patrn!r} was not compiled with the schema")
         return regex.search(text) is not None
 
-    return _with_linear_patterns(cls, search)(schema)
+    return _with_linear_patterns(cls, search)(schema, registry=METASCHEMAS)

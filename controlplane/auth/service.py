@@ -166,9 +166,10 @@ def authorize_worker(session: Session, principal: Principal, worker_id: str) -> 
     WorkerGrant(session, principal).check(worker_id)
 
 
-def _claimed_by_another(keys: ApiKeyRepository, key_id: str, worker_id: str, pool: str | None) -> bool:
-    """Whether another live worker key is bound to this worker id, or to the pool it is registered in."""
-    return any((ids is not None and worker_id in ids) or (pool is not None and key_pool == pool)
+def _claimed_by_another(keys: ApiKeyRepository, key_id: str, worker_id: str, pools: Collection[str | None]) -> bool:
+    """Whether another live worker key is bound to this worker id, or to one of ``pools`` (the pool the worker
+    is registered in and the one it announces: an unbound key must not place a worker in another key's pool)."""
+    return any((ids is not None and worker_id in ids) or (key_pool is not None and key_pool in pools)
                for key_pool, ids in keys.other_worker_bindings(key_id))
 
 
@@ -189,8 +190,8 @@ def authorize_registration(session: Session, principal: Principal, worker_id: st
             if key.worker_ids is not None and worker_id in key.worker_ids:
                 return
             raise _not_allowed(p, worker_id, "a concurrent registration bound the key to another worker")
-        if _claimed_by_another(keys, p.key_id, worker_id, existing_pool):
-            raise _not_allowed(p, worker_id, "the worker is bound to another key")
+        if _claimed_by_another(keys, p.key_id, worker_id, {existing_pool, pool}):
+            raise _not_allowed(p, worker_id, "the worker, or the pool it names, is bound to another key")
         key.worker_ids = [worker_id]
         record(session, actor=p.actor, action="key.bind", target_type="api_key", target_id=key.id,
                before=binding_of(None, None), after=binding_of(None, [worker_id]))

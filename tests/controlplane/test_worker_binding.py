@@ -226,3 +226,12 @@ def test_concurrent_first_registrations_bind_a_worker_to_one_key_and_a_key_to_on
     finally:
         engine.dispose()
     assert bindings == ({"legacy-a": ["w-1"]} if same_key else {"legacy-a": ["w-1"], "legacy-b": None})
+
+
+def test_an_unbound_key_cannot_place_a_new_worker_in_another_keys_pool(
+        client: TestClient, make_key: MakeKey) -> None:
+    bearer(make_key(Scope.worker, "pool-owner", pool="pool-p"))
+    legacy = bearer(make_key(Scope.worker, "legacy"))
+    _forbidden_naming(_register(client, legacy, "newcomer", "pool-p"), "newcomer")
+    # Still unbound: its first registration elsewhere binds it.
+    assert _register(client, legacy, "newcomer", "pool-q").status_code == 201
