@@ -56,25 +56,29 @@ def _walk(node: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _patterns(schema: Any) -> tuple[set[str], bool]:
-    """The regular expressions ``schema`` uses, and whether it also uses ``unevaluatedProperties``.
+    """The regular expressions ``schema`` uses, and whether it combines ``unevaluatedProperties`` with
+    ``patternProperties`` (which jsonschema evaluates with ``re`` inside ``unevaluatedProperties``).
 
     A ``pattern`` key inside data (``const``, ``enum``, ``examples``) counts too: refusing a pattern that
     was never one costs a verdict, never a stall.
     """
     found: set[str] = set()
-    unevaluated = False
+    unevaluated = pattern_properties = False
     for key, value in _walk(schema):
         if key == "pattern" and isinstance(value, str):
             found.add(value)
-        elif key == "patternProperties" and isinstance(value, Mapping):
-            found.update(k for k in value if isinstance(k, str))
+        elif key == "patternProperties":
+            pattern_properties = True
+            if isinstance(value, Mapping):
+                found.update(k for k in value if isinstance(k, str))
         elif key == "unevaluatedProperties":
             unevaluated = True
-    return found, unevaluated
+    return found, unevaluated and pattern_properties
 
 
-def _with_linear_patterns(cls: Any, search: Search) -> Any:
-    """``cls`` with the three keywords that match regular expressions matching through ``search``."""
+def _with_linear_keywords(cls: Any, search: Search) -> Any:
+    """``cls`` with the keywords that match regular expressions matching through ``search``, and
+    ``uniqueItems`` by hashing."""
 
     def pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Iterator[Any]:
         if validator.is_type(instance, "string") and not search(patrn, instance):
@@ -141,8 +145,8 @@ def compile_output_schema(schema: Any) -> Any:
         cls.check_schema(schema)
     except (jsonschema.exceptions.SchemaError, RecursionError):
         return None
-    patterns, unevaluated = _patterns(schema)
-    if patterns and unevaluated and any(key == "patternProperties" for key, _ in _walk(schema)):
+    patterns, unevaluated_with_pattern_properties = _patterns(schema)
+    if unevaluated_with_pattern_properties:
         return None
     options = _options()
     compiled = {}
@@ -158,4 +162,4 @@ def compile_output_schema(schema: Any) -> Any:
             raise LookupError(f"pattern {patrn!r} was not compiled with the schema")
         return regex.search(text) is not None
 
-    return _with_linear_patterns(cls, search)(schema, registry=METASCHEMAS)
+    return _with_linear_keywords(cls, search)(schema, registry=METASCHEMAS)

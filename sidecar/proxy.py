@@ -175,21 +175,15 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
 _MISSING: Any = object()
 
 
-def _compile_schema(schema: Any) -> Any:
-    """A validator of ``schema``, or None (no verdict). Runs in a worker thread: ``check_schema`` of a large
-    schema takes seconds of pure Python, which on the loop would stall every request and ``/healthz`` with
-    it; the validator's regular expressions are RE2's and it fetches no remote reference
-    (sidecar/output_schema.py), so a client's pattern or ``$ref`` cannot stall the answer's check on the loop."""
-    return compile_output_schema(schema)
-
-
 class _SchemaCache:
     """Compiled output schemas by their compact JSON, bounded by the bytes of those keys, least recently used
     out first; a schema not compiled yet is compiled once, off the loop, however many requests carry it.
 
-    Compilations run one at a time on a thread of their own, so that a flood of new schemas cannot take the
-    threads the telemetry exporter encodes on; past ``max_pending`` schemas waiting, a new one gets no
-    verdict rather than a place in the queue.
+    Compilations run one at a time on a thread of their own (``check_schema`` of a large schema takes
+    seconds of pure Python, which on the loop would stall every request and ``/healthz``), so that a flood
+    of new schemas cannot take the threads the telemetry exporter encodes on; past ``max_pending`` schemas
+    waiting, a new one gets no verdict rather than a place in the queue. The validators match patterns with
+    RE2 and fetch no remote reference (sidecar/output_schema.py): checking an answer stays on the loop.
     """
 
     __slots__ = ("max_bytes", "max_pending", "size", "entries", "pending", "_executor")
@@ -214,7 +208,7 @@ class _SchemaCache:
                 return None
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="specgate-schema")
-            future = asyncio.get_running_loop().run_in_executor(self._executor, _compile_schema, schema)
+            future = asyncio.get_running_loop().run_in_executor(self._executor, compile_output_schema, schema)
             self.pending[key] = future
             future.add_done_callback(lambda done: self._compiled(key, done))
         return future

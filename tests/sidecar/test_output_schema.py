@@ -3,6 +3,7 @@ Python's re): the same verdicts as jsonschema's where the two engines agree, and
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -113,8 +114,15 @@ def test_an_invalid_schema_gets_no_validator() -> None:
     assert compile_output_schema({"type": "string", "pattern": 5}) is None
 
 
-def test_the_sidecar_compiles_output_schemas_with_linear_patterns() -> None:
-    validator = proxy._compile_schema(CATASTROPHIC)
+def test_the_sidecars_schema_cache_compiles_validators_with_linear_patterns() -> None:
+    async def compiled() -> Any:
+        cache = proxy._SchemaCache(1 << 20)
+        try:
+            return await cache.lookup(b"catastrophic", CATASTROPHIC)
+        finally:
+            cache.close()
+
+    validator = asyncio.run(compiled())
     assert _verdict_within(validator, {"x": "a" * 64 + "!"}) is False
 
 

@@ -191,14 +191,14 @@ def test_a_schema_compiles_off_the_loop_while_other_requests_are_served(
         make_sidecar: SidecarFactory, base: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     compiles: list[Any] = []
-    real_compile = proxy._compile_schema
+    real_compile = proxy.compile_output_schema
 
     def slow_compile(schema: Any) -> Any:
         compiles.append(schema)
         assert release.wait(20), "never released"
         return real_compile(schema)
 
-    monkeypatch.setattr(proxy, "_compile_schema", slow_compile)
+    monkeypatch.setattr(proxy, "compile_output_schema", slow_compile)
     sidecar = make_sidecar()
     base.content = '{"p000000": 3}'
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _schema(4096)}}
@@ -422,8 +422,8 @@ def test_a_schema_nested_deeper_than_the_encoders_go_is_refused(make_sidecar: Si
 
 def test_schemas_waiting_to_compile_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
-    real_compile = proxy._compile_schema
-    monkeypatch.setattr(proxy, "_compile_schema", lambda schema: release.wait(20) and real_compile(schema))
+    real_compile = proxy.compile_output_schema
+    monkeypatch.setattr(proxy, "compile_output_schema", lambda schema: release.wait(20) and real_compile(schema))
 
     async def scenario() -> None:
         cache = proxy._SchemaCache(1 << 20, max_pending=2)
