@@ -15,13 +15,14 @@ class DistributionRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def fleet_switches(self) -> tuple[bool, int]:
-        """The kill switch and the distribution generation."""
-        row = self.session.execute(select(FleetState.kill_switch, FleetState.generation)
+    def fleet_switches(self) -> tuple[bool, int, str]:
+        """The kill switch, the distribution generation and the cohort secret ('' on a database from before
+        cohort secrets: the empty secret keeps the old public salts)."""
+        row = self.session.execute(select(FleetState.kill_switch, FleetState.generation, FleetState.cohort_secret)
                                    .where(FleetState.id == 1)).first()
         if row is None:
-            return False, 0
-        return bool(row.kill_switch), int(row.generation or 0)
+            return False, 0, ""
+        return bool(row.kill_switch), int(row.generation or 0), row.cohort_secret or ""
 
     def policies(self, pools: Collection[str] | None) -> Sequence[Policy]:
         """Policies that can serve ``pools`` (theirs and the pool-less one); all when None."""

@@ -21,13 +21,11 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.distribution.repository import DistributionRepository
 from controlplane.errors import NotFound, SpecgateError
 from controlplane.lru import LRU
-from controlplane.models import FleetState
 from controlplane.rollout.service import canary_salt, worker_in_canary
 from policies import (
     BundlePayload,
@@ -225,9 +223,7 @@ def _revisions_by_id(repo: DistributionRepository,
 def load_view(session: Session, pools: Collection[str] | None = None) -> DistributionView:
     """The view for workers of ``pools`` (every pool when None)."""
     repo = DistributionRepository(session)
-    kill_switch, generation = repo.fleet_switches()
-    # None on a database from before cohort secrets: the empty secret keeps the old public salts.
-    cohort_secret = session.scalar(select(FleetState.cohort_secret).where(FleetState.id == 1)) or ""
+    kill_switch, generation, cohort_secret = repo.fleet_switches()
     policies = repo.policies(pools)
     rollouts: dict[str, tuple[Any, float | None]] = {}
     for rollout, percent in repo.live_rollouts([p.id for p in policies], LIVE_ROLLOUT_STATES):
