@@ -347,10 +347,6 @@ class TelemetryExporter:
             self._counters["dropped"] += n
             raise
 
-    def _encode(self, events: list[TelemetryEvent], batch_id: str | None = None) -> _Batch:
-        """A batch of events not encoded yet (each as ``submit`` would)."""
-        return self._join([encode_event(event) for event in events], batch_id)
-
     def _join(self, events: list[bytes], batch_id: str | None = None) -> _Batch:
         """A batch of encoded events: a ``TelemetryBatch``'s JSON, gzip-compressed."""
         batch_id = batch_id or uuid.uuid4().hex

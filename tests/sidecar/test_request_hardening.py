@@ -382,7 +382,7 @@ def test_a_surrogate_route_is_refused_and_concurrent_requests_events_all_arrive(
 def test_batches_of_encoded_events_are_what_the_contract_reads(tmp_path: Path) -> None:
     exporter: TelemetryExporter = exporter_for(IngestDouble(), tmp_path)
     events = [good_event(i) for i in range(3)]
-    batch = exporter._encode(events, "b1")
+    batch = exporter._join([encode_event(e) for e in events], "b1")
     decoded = TelemetryBatch.model_validate_json(gzip.decompress(batch.body))
     assert (decoded.batch_id, decoded.worker_id, decoded.events) == ("b1", "w1", events)
     assert gzip.decompress(batch.body) == TelemetryBatch(batch_id="b1", worker_id="w1", events=events).to_json()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.settings import SidecarSettings
-from sidecar.telemetry import TelemetryExporter
+from sidecar.telemetry import TelemetryExporter, encode_event
 from tests.support.ingest_double import KEY, IngestDouble, event, exporter_for, settings, until
 from tests.support.live import free_port
 from wire.telemetry import TelemetryBatch
@@ -236,7 +236,7 @@ def test_a_split_batch_carries_its_events_as_they_were_encoded(tmp_path: Path) -
                                                  worker_id="w1", state_dir=tmp_path))
     events = [event(i) for i in range(5)]
     events[3].prompt_tokens = 2**40
-    halves = exporter._split(exporter._encode(events, "b-whole"))
+    halves = exporter._split(exporter._join([encode_event(e) for e in events], "b-whole"))
     decoded = [json.loads(gzip.decompress(half.body)) for half in halves]
     assert [(half.batch_id, half.count) for half in halves] == [("b-whole.0", 2), ("b-whole.1", 3)]
     assert [d["batch_id"] for d in decoded] == ["b-whole.0", "b-whole.1"]
