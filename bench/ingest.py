@@ -175,6 +175,19 @@ def fresh_database(kind: str, pg_admin_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+def create_the_policy_events_name(url: str) -> None:
+    # A worker key's events must name a policy that serves their pool; the revisions are not checked.
+    from controlplane.db import make_sessionmaker, unit_of_work
+    from controlplane.policy.service import create_policy
+
+    engine = make_engine(url)
+    try:
+        with unit_of_work(make_sessionmaker(engine)) as session:
+            create_policy(session, name="default", description="bench.ingest", pool="pool-a", actor="bench:ingest")
+    finally:
+        engine.dispose()
+
+
 def worker_key(url: str) -> str:
     # Bound to the ids make_body sends for (never registered, so a pool binding would not cover them).
     ids = [f"worker-{i:02d}" for i in range(10)]
@@ -344,6 +357,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     prepare_s = time.perf_counter() - t
     with fresh_database(kind, args.pg_admin_url) as url, tempfile.TemporaryDirectory() as tmp:
         upgrade(url)
+        create_the_policy_events_name(url)
         token = worker_key(url)
         with control_plane(url, workers=args.workers, generic_insert=args.generic_insert,
                            concurrency=args.ingest_concurrency, log=Path(tmp) / "server.log") as (base, pid):

@@ -18,8 +18,10 @@ db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_he
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
 signing_key_app = typer.Typer(help="The bundle signing key kept in the database (embedded default).",
                               no_args_is_help=True)
+generation_app = typer.Typer(help="The distribution generation that sidecars refuse to go back on.",
+                             no_args_is_help=True)
 
-__all__ = ["db_app", "keys_app", "serve", "signing_key_app", "telemetry_app"]
+__all__ = ["db_app", "generation_app", "keys_app", "serve", "signing_key_app", "telemetry_app"]
 
 
 def serve(host: Annotated[str, typer.Option()] = "127.0.0.1",
@@ -182,3 +184,48 @@ def signing_key_generate() -> None:
     key = SigningKey.generate()
     typer.secho(f"public key {key.public_key_b64} (key id {key.key_id}); private key:", err=True)
     typer.echo(key.private_key_b64())
+
+
+@generation_app.command("show")
+def generation_show() -> None:
+    """Print the current distribution generation."""
+    from controlplane.db import make_engine, make_sessionmaker
+    from controlplane.models import FleetState
+
+    engine = make_engine(ControlPlaneSettings().database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            state = session.get(FleetState, 1)
+    finally:
+        engine.dispose()
+    if state is None:
+        typer.secho("error: the database has no fleet_state row: run the migrations first", err=True,
+                    fg=typer.colors.RED)
+        raise typer.Exit(1)
+    typer.echo(str(state.generation))
+
+
+@generation_app.command("raise")
+def generation_raise(
+        at_least: Annotated[int, typer.Option(min=0, help="the new generation is at least this (e.g. the "
+                                                            "highest a sidecar reports refusing below)")] = 0,
+        reason: Annotated[str, typer.Option(help="why, for the audit trail")] = "") -> None:
+    """Raise the generation past what sidecars accepted before (after restoring the database from a backup).
+
+    Sidecars refuse bundles older than the highest generation they accepted (a replay). Every change
+    already floors its generation to the clock; this makes one now, without changing a policy, so every
+    worker fetches and accepts the restored state. Waiting sidecars hear of it within their poll interval.
+    """
+    from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+    from controlplane.distribution.service import raise_generation
+
+    engine = make_engine(ControlPlaneSettings().database_url)
+    try:
+        with unit_of_work(make_sessionmaker(engine)) as session:
+            before, after = raise_generation(session, at_least=at_least, actor="cli:local", reason=reason)
+    except LookupError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()
+    typer.echo(f"generation {before} -> {after}")

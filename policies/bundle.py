@@ -33,7 +33,9 @@ from policies.validate import validate_data
 
 BUNDLE_FORMAT = "specgate.bundle/v2"
 _CONTENT_FIELDS = frozenset({"format", "policy", "canary", "kill_switch", "cohort_secret"})
-_DELIVERY_FIELDS = frozenset({"generation", "pool", "expires_at"})
+_DELIVERY_FIELDS = frozenset({"generation", "pool", "expires_at", "worker_id"})
+# Envelopes signed before workers were bound carry no worker_id (they bind the pool only).
+_REQUIRED_DELIVERY_FIELDS = _DELIVERY_FIELDS - {"worker_id"}
 _ENVELOPE_FIELDS = frozenset({"payload", "etag", "signatures"})
 
 
@@ -164,27 +166,35 @@ class Delivery:
 
     ``generation`` is the control plane's distribution generation (bumped by every change), so a worker
     can refuse an older bundle than one it already accepted; ``pool`` is the pool the bundle was computed
-    for; ``expires_at`` (unix seconds) bounds how long a captured bundle can be replayed. The default
-    binds to no pool and is already expired: every worker refuses it.
+    for and ``worker_id`` the worker (workers of one pool may run different revisions during a rollout, so
+    one worker's envelope must not be accepted by another); ``expires_at`` (unix seconds) bounds how long
+    a captured bundle can be replayed. The default binds to no pool and is already expired: every worker
+    refuses it. An envelope signed before workers were bound (no ``worker_id``) reads as ``""``: bound to
+    its pool only.
     """
 
     generation: int = 0
     pool: str = ""
     expires_at: int = 0
+    worker_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"generation": self.generation, "pool": self.pool, "expires_at": self.expires_at}
+        return {"generation": self.generation, "pool": self.pool, "expires_at": self.expires_at,
+                "worker_id": self.worker_id}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Delivery:
         generation, pool, expires_at = data.get("generation"), data.get("pool"), data.get("expires_at")
+        worker_id = data.get("worker_id", "")
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise BundleFormatError("bundle generation must be a non-negative integer")
         if not isinstance(pool, str):
             raise BundleFormatError("bundle pool must be a string")
         if isinstance(expires_at, bool) or not isinstance(expires_at, int):
             raise BundleFormatError("bundle expires_at must be an integer (unix seconds)")
-        return cls(generation, pool, expires_at)
+        if not isinstance(worker_id, str):
+            raise BundleFormatError("bundle worker_id must be a string")
+        return cls(generation, pool, expires_at, worker_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +336,7 @@ class BundleVerifier:
                 raise BundleSignatureError("bundle signature does not match its payload (tampered, "
                                            "or signed by another key)") from None
         content = {k: v for k, v in payload_data.items() if k not in _DELIVERY_FIELDS}
-        missing = _DELIVERY_FIELDS - set(payload_data)
+        missing = _REQUIRED_DELIVERY_FIELDS - set(payload_data)
         if missing:
             raise BundleFormatError(f"bundle payload lacks {', '.join(sorted(missing))}")
         payload = BundlePayload.from_dict(content)

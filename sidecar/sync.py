@@ -264,6 +264,10 @@ class PolicySync:
         if delivery.pool != self.settings.pool:
             raise BundleRefused("other_worker", f"bundle was signed for pool {delivery.pool!r}, "
                                 f"this worker is in pool {self.settings.pool!r}")
+        if delivery.worker_id and delivery.worker_id != self.worker_id:
+            # Workers of one pool may run different revisions during a rollout: another's is not ours.
+            raise BundleRefused("other_worker", f"bundle was signed for worker {delivery.worker_id!r}, "
+                                f"this worker is {self.worker_id!r}")
         if fetched and delivery.expires_at < time.time():
             raise BundleRefused("expired", f"bundle expired at {_utc(delivery.expires_at)}")
         if self.high_water is not None and delivery.generation < self.high_water:

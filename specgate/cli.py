@@ -15,7 +15,7 @@ import sys
 
 import typer
 
-from controlplane.cli import db_app, keys_app, serve, signing_key_app, telemetry_app
+from controlplane.cli import db_app, generation_app, keys_app, serve, signing_key_app, telemetry_app
 from dashboard.cli import dashboard
 from sidecar.cli import sidecar
 from sidecar.loadgen_cli import loadgen
@@ -35,6 +35,7 @@ app.command()(serve)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 app.add_typer(signing_key_app, name="signing-key")
+app.add_typer(generation_app, name="generation")
 app.add_typer(telemetry_app, name="telemetry")
 # client side: the REST API
 app.command()(apply)

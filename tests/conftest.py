@@ -132,3 +132,15 @@ def worker_key(make_key: Callable[..., str]) -> dict[str, str]:
     # id the workers tests send telemetry for or move to other pools. Keys are bound (issue 16); an unbound one
     # would bind itself to the first worker it registers.
     return bearer(make_key(Scope.worker, "pool-a", pool="pool-a", worker_ids=list(FLEET_KEY_WORKERS)))
+
+
+@pytest.fixture
+def generations_count_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generations step by exactly one per change: the clock floor (tested on its own) held at zero.
+
+    Tests that assert how many times an action bumped the generation use this;
+    with the real clock every bump jumps to the current millisecond.
+    """
+    from controlplane.distribution import publish
+
+    monkeypatch.setattr(publish, "clock_ms", lambda: 0)

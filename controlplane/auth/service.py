@@ -111,6 +111,21 @@ def _not_allowed(principal: Principal, worker_id: str, why: str) -> WorkerNotAll
     return WorkerNotAllowed(f"key {principal.name!r} may not act as worker {worker_id!r}: {why}", worker=worker_id)
 
 
+def still_allowed(principal: Principal, worker_id: str, pool: str) -> None:
+    """Raise 403 unless ``principal`` may read the bundle of ``worker_id``, now registered in ``pool``.
+
+    For long-polls and streams authorised when they opened: the worker may have moved to another pool since
+    (a change that wakes them), and a pool-bound key must not go on receiving its bundles. No database read:
+    the caller has just read the worker's pool with its bundle.
+    """
+    p = principal
+    if p.scope is not Scope.worker or (p.worker_ids is not None and worker_id in p.worker_ids):
+        return
+    if p.pool is not None and p.pool == pool:
+        return
+    raise _not_allowed(p, worker_id, f"the worker moved to pool {pool!r}")
+
+
 class WorkerGrant:
     """Which workers one key may act as, resolved lazily: each worker's pool is read at most once.
 
@@ -142,6 +157,12 @@ class WorkerGrant:
             self._load(rest)
             ok.update(w for w in rest if self._pools[w] == p.pool)
         return ok
+
+    def pools_of(self, worker_ids: Collection[str]) -> dict[str, str | None]:
+        """The pool each worker is registered in; None for one not registered (yet): a key may act as such a
+        worker only by naming its id, and such a worker may be in any pool."""
+        self._load(worker_ids)
+        return {w: self._pools[w] for w in worker_ids}
 
     def check(self, worker_id: str, *, unregistered_passes: bool = True) -> None:
         """Raise 403 ``worker-not-allowed`` unless this key may act as ``worker_id``.

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from controlplane.auth.repository import ApiKeyRepository
-from controlplane.auth.service import Principal, authorize_worker
+from controlplane.auth.service import Principal, authorize_worker, still_allowed
 from controlplane.db import unit_of_work
 from controlplane.deps import BundleReader, WorkerKey
 from controlplane.distribution.recompute import recomputer_of
@@ -101,6 +101,8 @@ async def bundle(request: Request, who: BundleReader,
                     break
             seen = hub.generation
             current = await _current(request, worker)
+            # Authorised when it opened: the change that woke it may have moved the worker to another pool.
+            still_allowed(who, worker, current.pool)
     if current.etag in known:
         return Response(status_code=304, headers=_cache_headers(current.etag))
     signer = request.app.state.bundle_signer
@@ -143,9 +145,10 @@ async def events(request: Request, who: WorkerKey, worker: str = _worker_query()
                 seen = hub.generation
                 try:
                     current = await _current(request, worker)
+                    still_allowed(who, worker, current.pool)
                 except SpecgateError as exc:
-                    # The worker lost its policy (or its registration): say why and end; the
-                    # sidecar's reconnect then gets the problem as a plain response.
+                    # The worker lost its policy (or its registration), or moved out of the key's pool:
+                    # say why and end; a reconnect then gets the problem as a plain response.
                     yield _sse("error", exc.to_problem(request.url.path))
                     return
                 if current.etag != etag:

@@ -8,7 +8,7 @@ of policies, rollouts and the kill switch). A request never joins a read that
 has already started, so an answer is never older than the notice that
 prompted the request.
 
-The same thread then signs each distinct bundle of the read once, so the
+The same thread then signs each distinct envelope of the read (one per worker) once, so the
 woken long-polls all find their envelope cached. Otherwise, after a change
 that makes a bundle never served before, every one of them would miss that
 cache at once and make its own threadpool round trip to sign, queued with the
@@ -46,7 +46,7 @@ def load_bundles(sessions: sessionmaker[Session], worker_ids: Sequence[str]) -> 
 
 def sign_once(signing_key: BundleSigner, outcomes: Outcomes) -> None:
     """Sign (or find cached) the envelope of every distinct bundle among ``outcomes``."""
-    distinct = {(outcome.etag, outcome.pool, outcome.generation): outcome
+    distinct = {(outcome.etag, outcome.pool, outcome.worker_id, outcome.generation): outcome
                 for outcome in outcomes.values() if isinstance(outcome, Bundle)}
     for bundle in distinct.values():
         signed_body(signing_key, bundle)

@@ -24,6 +24,11 @@ class DistributionRepository:
             return False, 0, ""
         return bool(row.kill_switch), int(row.generation or 0), row.cohort_secret or ""
 
+    def lock_generation(self) -> int | None:
+        """The generation, its row locked until the transaction ends (None without the row)."""
+        value = self.session.scalar(select(FleetState.generation).where(FleetState.id == 1).with_for_update())
+        return None if value is None else int(value)
+
     def policies(self, pools: Collection[str] | None) -> Sequence[Policy]:
         """Policies that can serve ``pools`` (theirs and the pool-less one); all when None."""
         query = select(Policy).order_by(Policy.name)

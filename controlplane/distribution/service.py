@@ -5,10 +5,11 @@ announces by bumping ``fleet_state.generation``: policies, their active
 revisions, live rollouts and the kill switch. Revisions are content-addressed,
 so a revision validated once is cached by id for good; a payload is cached by
 what it is made of. The signature binds the payload to its delivery (generation,
-pool, expiry), so envelopes are cached by (keys, ETag, pool, generation, expiry
-bucket): the expiry is rounded up to a bucket, and a herd of long-polls woken by
-one change therefore only reads a few small rows each and reuses the documents,
-payloads and signatures.
+pool, worker, expiry), so envelopes are cached by (keys, ETag, pool, worker,
+generation, expiry bucket): the expiry is rounded up to a bucket, and a herd of
+long-polls woken by one change therefore only reads a few small rows each and
+reuses the documents and payloads; each worker's envelope is signed once per
+change.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
+from controlplane.audit.service import record
+from controlplane.distribution.publish import bump_generation
 from controlplane.distribution.repository import DistributionRepository
 from controlplane.errors import NotFound, SpecgateError
 from controlplane.lru import LRU
@@ -66,9 +69,10 @@ class WorkerLike(Protocol):
 class Bundle:
     payload: BundlePayload
     etag: str
-    # Where and when it was computed: signed into the envelope, not part of the ETag.
+    # For whom and when it was computed: signed into the envelope, not part of the ETag.
     pool: str = ""
     generation: int = 0
+    worker_id: str = ""
 
 
 class BundleSigner:
@@ -97,7 +101,10 @@ _BundleKey = tuple[str, str | None, float | None, str | None, bool, str]
 
 _revisions: LRU[str, Revision] = LRU(1024)
 _bundles: LRU[_BundleKey, BundlePayload] = LRU(4096)
-_envelopes: LRU[tuple[str, str, str, int, int], bytes] = LRU(512)
+# (signing key ids, ETag, pool, worker, generation, expiry bucket): one envelope per worker and change.
+_EnvelopeKey = tuple[str, str, str, str, int, int]
+# Bounded by bytes too: per worker, a fleet of large policies would otherwise hold thousands of big envelopes.
+_envelopes: LRU[_EnvelopeKey, bytes] = LRU(16384, weigh=len, max_weight=64 * 1024 * 1024)
 
 
 def clear_caches() -> None:
@@ -173,7 +180,7 @@ class DistributionView:
                 canary = Canary(rollout.to_revision, rollout.percent,
                                 canary_salt(rollout.id, cohort_secret=self.cohort_secret))
         payload = _payload_of(policy, canary, self.kill_switch, self.cohort_secret)
-        return Bundle(payload, payload.etag, worker.pool, self.generation)
+        return Bundle(payload, payload.etag, worker.pool, self.generation, worker.id)
 
     def expected_etag(self, worker: WorkerLike) -> str | None:
         """None when nothing can be served: fleet views and heartbeats still work, only the bundle fails."""
@@ -277,8 +284,8 @@ def bundle_for_worker(session: Session, worker: WorkerLike) -> BundlePayload:
     return expected_bundle(session, worker).payload
 
 
-def _envelope_key(signer: BundleSigner, bundle: Bundle, now: float | None) -> tuple[str, str, str, int, int]:
-    return (signer.key_ids, bundle.etag, bundle.pool, bundle.generation,
+def _envelope_key(signer: BundleSigner, bundle: Bundle, now: float | None) -> _EnvelopeKey:
+    return (signer.key_ids, bundle.etag, bundle.pool, bundle.worker_id, bundle.generation,
             signer.expires_at(time.time() if now is None else now))
 
 
@@ -293,7 +300,8 @@ def signed_body(signer: BundleSigner, bundle: Bundle, *, now: float | None = Non
     cached = _envelopes.get(key)
     if cached is not None:
         return cached
-    envelope = sign_envelope(signer.keys, bundle.payload, Delivery(bundle.generation, bundle.pool, key[4]))
+    envelope = sign_envelope(signer.keys, bundle.payload,
+                             Delivery(bundle.generation, bundle.pool, key[5], bundle.worker_id))
     return _envelopes.put(key, json.dumps(envelope, ensure_ascii=False, separators=(",", ":")).encode())
 
 
@@ -310,3 +318,14 @@ def etags_in(if_none_match: str | None) -> set[str]:
     if not if_none_match:
         return set()
     return {normalize_etag(part) for part in if_none_match.split(",") if part.strip()}
+
+
+def raise_generation(session: Session, *, at_least: int, actor: str, reason: str = "") -> tuple[int, int]:
+    """Bump the generation (to at least ``at_least``) with no other change; audited. (before, after)."""
+    before = DistributionRepository(session).lock_generation()
+    if before is None:
+        raise LookupError("the database has no fleet_state row: run the migrations first")
+    after = bump_generation(session, at_least=at_least)
+    record(session, actor=actor, action="generation.raise", target_type="fleet", target_id="generation",
+           before={"generation": before}, after={"generation": after}, reason=reason)
+    return before, after

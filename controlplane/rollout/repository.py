@@ -33,6 +33,10 @@ class RolloutRepository:
                              .execution_options(synchronize_session=False))
         return self.session.scalar(select(Policy).where(where).execution_options(populate_existing=True))
 
+    def cohort_secret(self) -> str:
+        """The fleet's cohort secret ('' before the first start on this database)."""
+        return self.session.scalar(select(FleetState.cohort_secret).where(FleetState.id == 1)) or ""
+
     def lock_fleet_state(self) -> FleetState:
         # Same reasoning as lock_policy: two concurrent PUTs must not both see "off" and both turn it on.
         self.session.execute(update(FleetState).where(FleetState.id == 1)

@@ -87,8 +87,7 @@ def worker_in_canary(worker_id: str, rollout_id: str, percent: float, *, cohort_
 
 def fleet_cohort_secret(session: Session) -> str:
     """The fleet's cohort secret (generated at start-up; '' before the first start on this database)."""
-    state = session.get(FleetState, 1)
-    return (state.cohort_secret or "") if state is not None else ""
+    return RolloutRepository(session).cohort_secret()
 
 
 # -- the state machine -----------------------------------------------------------------------------

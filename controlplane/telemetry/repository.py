@@ -14,13 +14,25 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
 from pydantic import TypeAdapter
-from sqlalchemy import BigInteger, ColumnElement, Float, Integer, Table, cast, delete, func, select, type_coerce
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Float,
+    Integer,
+    Table,
+    cast,
+    delete,
+    func,
+    or_,
+    select,
+    type_coerce,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -28,6 +40,7 @@ from sqlalchemy.orm import Session
 
 from analysis.rollup import COUNTERS, FLOAT_COUNTERS, KEY_FIELDS, RollupKey
 from controlplane.models import (
+    Policy,
     TelemetryBatchRecord,
     TelemetryEventRecord,
     TelemetryRollup,
@@ -109,6 +122,12 @@ class TelemetryRepository:
 
     def __init__(self, session: Session) -> None:
         self.session = session
+
+    def policies_serving(self, pools: Collection[str]) -> dict[str | None, str]:
+        """The policy of each of ``pools`` that has one, and the pool-less policy under None."""
+        rows = self.session.execute(select(Policy.pool, Policy.name)
+                                    .where(or_(Policy.pool.in_(list(pools)), Policy.pool.is_(None))))
+        return {pool: name for pool, name in rows}
 
     @property
     def _conn(self) -> Connection:

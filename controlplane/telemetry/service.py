@@ -251,27 +251,49 @@ class IngestResult:
     already_stored: int
 
 
-def _refuse_foreign(batch: ParsedBatch, grant: WorkerGrant) -> None:
-    """Move the events for workers the key may not act as from ``events`` to ``rejected``, in place.
+def _refuse_foreign(batch: ParsedBatch, grant: WorkerGrant, repo: TelemetryRepository) -> None:
+    """Move the events a worker key may not send from ``events`` to ``rejected``, in place.
 
-    The key's allowed set is resolved once for the batch's distinct worker ids (at most one query), so the
-    per-event cost is a set lookup."""
+    A worker key's events must be for its own workers (``worker_id``), claim the pool the worker is
+    registered in (``pool``), and name the policy that serves that pool, or the pool-less one (``policy``):
+    guardrails and recommendations select by policy and revision, so a key must not skew another pool's
+    rollout. The worker's pool is read once for the batch's distinct workers and the serving policies once for
+    its distinct pools, so the per-event cost is a few dict lookups.
+    """
+    if not batch.events:
+        return
     ids = {e.worker_id for e in batch.events}
     allowed = grant.allowed(ids)
-    if len(allowed) == len(ids):
+    pools = grant.pools_of(allowed)
+    serving = repo.policies_serving({e.pool for e in batch.events})
+    poolless = serving.get(None)
+
+    def refusal(event: TelemetryEvent) -> EventError | None:
+        if event.worker_id not in allowed:
+            return EventError(path="worker_id", code=ProblemCode.worker_not_allowed,
+                              message=f"the key may not act as worker {event.worker_id!r}")
+        expected = pools[event.worker_id]
+        if expected is not None and event.pool != expected:
+            return EventError(path="pool", code=ProblemCode.pool_mismatch,
+                              message=f"worker {event.worker_id!r} is in pool {expected!r}, not {event.pool!r}")
+        if event.policy not in (serving.get(event.pool), poolless):
+            return EventError(path="policy", code=ProblemCode.wrong_policy,
+                              message=f"policy {event.policy!r} does not serve pool {event.pool!r}")
+        return None
+
+    refusals = [refusal(e) for e in batch.events]
+    if not any(refusals):
         return
     # The valid events' indices are those the parse did not reject, in batch order.
     refused_at = {r.index for r in batch.rejected}
     indices = (i for i in range(batch.event_count) if i not in refused_at)
     kept: list[TelemetryEvent] = []
     refused: list[RejectedEvent] = []
-    for index, event in zip(indices, batch.events, strict=False):
-        if event.worker_id in allowed:
+    for index, event, error in zip(indices, batch.events, refusals, strict=False):
+        if error is None:
             kept.append(event)
         else:
-            refused.append(RejectedEvent(index=index, errors=[EventError(
-                path="worker_id", code=ProblemCode.worker_not_allowed,
-                message=f"the key may not act as worker {event.worker_id!r}")]))
+            refused.append(RejectedEvent(index=index, errors=[error]))
     batch.events = kept
     batch.rejected = sorted([*batch.rejected, *refused], key=lambda r: r.index)
 
@@ -281,12 +303,14 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
     """Store a parsed batch once: its new events, and their rollups; see the module docstring.
 
     With ``grant``, the batch's ``worker_id`` must be a worker the key may act as (403), and each event
-    for another worker is refused on its own (``worker_id``, ``worker_not_allowed``), never stored."""
+    a worker key may not send is refused on its own, never stored: for another worker (``worker_id``,
+    ``worker_not_allowed``), claiming another pool than its worker's (``pool``, ``pool_mismatch``) or a
+    policy that does not serve its pool (``policy``, ``wrong_policy``)."""
     repo = TelemetryRepository(session)
     if grant is not None:
         # Stored as the batch's sender: it must be the key's own worker, registered or not.
         grant.check(batch.worker_id, unregistered_passes=False)
-        _refuse_foreign(batch, grant)
+        _refuse_foreign(batch, grant, repo)
     kept = batch.rejected[:REJECTED_KEPT]
     rejected = [r.model_dump() for r in kept]
     claimed = repo.claim_batch({

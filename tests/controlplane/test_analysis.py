@@ -17,6 +17,7 @@ from controlplane.db import make_engine
 from controlplane.models import AuditEvent, Policy, Revision, Rollout
 from controlplane.rollout.evaluator import evaluate_all
 from controlplane.settings import ControlPlaneSettings
+from tests.support.factories import seed_policy
 from tests.support.telemetry_data import (
     T0,
     event,
@@ -441,6 +442,7 @@ def test_before_after_of_a_rollout(client: TestClient, operator: Headers, viewer
 
 def test_events_carry_the_request_shape_a_replay_needs(client: TestClient, worker_key: Headers,
                                                        settings: ControlPlaneSettings) -> None:
+    seed_policy(settings.database_url)  # the policy the events name (pool-less: serves their pool)
     good = event(revision="r", labels='{"tenant":"gold","tier":"a"}')
     good["shape_prompt_tokens"] = 77
     bad = event(revision="r", labels="[1]")

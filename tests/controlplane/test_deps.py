@@ -28,6 +28,9 @@ from controlplane.settings import ControlPlaneSettings
 
 Headers = dict[str, str]
 
+# These tests count how many times an action bumped the generation.
+pytestmark = pytest.mark.usefixtures("generations_count_changes")
+
 
 class AtResponseStart:
     """Runs ``look`` when the app starts its response, before the client can have any of it."""

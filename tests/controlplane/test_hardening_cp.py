@@ -30,6 +30,8 @@ from controlplane.rollout.service import canary_salt, worker_in_canary
 from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.service import EventWindow, parse_batch
 from policies import RequestShape, compile_policy, load_policy
+from tests.support.factories import seed_policy
+from tests.support.fleet_rows import session_for
 from tests.support.live import serve
 from tests.support.telemetry_bodies import event
 from tests.support.telemetry_data import policy_text, seed
@@ -199,6 +201,7 @@ def test_events_dated_outside_the_window_are_refused_one_by_one(
     ]
     if with_a_malformed_event:
         events.append({"event_id": "broken"})
+    seed_policy(migrated_url)  # the policy the events name
     with TestClient(create_app(_settings(migrated_url)), raise_server_exceptions=False) as client:
         r = _post_batch(client, worker_key, f"window-{with_a_malformed_event}", events)
     assert r.status_code == 200, r.text
@@ -362,6 +365,67 @@ def test_a_new_database_starts_its_generations_at_the_clock(database_url: str) -
         with unit_of_work(make_sessionmaker(engine)) as session:
             first = int(session.scalar(select(FleetState.generation).where(FleetState.id == 1)) or 0)
             assert first >= before_ms
-            assert bump_generation(session) == first + 1  # then a counter: one change, one step
+            after_ms = time.time_ns() // 1_000_000
+            bumped = bump_generation(session)
+            # one step up, or the clock if that is further: never back, never below the clock
+            assert bumped >= max(first + 1, after_ms)
+            assert bumped <= max(first + 1, time.time_ns() // 1_000_000)
     finally:
         engine.dispose()
+
+
+def _generation(url: str) -> int:
+    with session_for(url) as session:
+        return int(session.scalar(select(FleetState.generation)) or 0)
+
+
+def _restore_generation(url: str, value: int) -> None:
+    with session_for(url) as session:
+        session.execute(update(FleetState).where(FleetState.id == 1).values(generation=value))
+
+
+def test_a_database_restored_from_a_backup_issues_generations_above_what_sidecars_accepted(
+        client: TestClient, operator: dict[str, str], migrated_url: str) -> None:
+    # What sidecars accepted before the restore: the generation of a change made now.
+    r = client.put("/v1/killswitch", headers=operator, json={"enabled": True, "reason": "before the backup"})
+    assert r.status_code == 200, r.text
+    high_water = _generation(migrated_url)
+    _restore_generation(migrated_url, 41)  # the backup's generation, from long ago
+    r = client.put("/v1/killswitch", headers=operator, json={"enabled": False, "reason": "after the restore"})
+    assert r.status_code == 200, r.text
+    # Before the fix the restored database went on from 41: every sidecar refused the change as a replay.
+    assert _generation(migrated_url) > high_water
+
+
+def test_generation_raise_moves_past_a_sidecars_high_water_and_is_audited(migrated_url: str) -> None:
+    from typer.testing import CliRunner
+
+    from controlplane.models import AuditEvent
+    from specgate.cli import app as cli_app
+
+    env = {"SPECGATE_DATABASE_URL": migrated_url}
+    # A sidecar reports a high-water mark from a clock that ran ahead: the floor alone would not pass it.
+    ahead = time.time_ns() // 1_000_000 + 3_600_000
+    result = CliRunner().invoke(cli_app, ["generation", "raise", "--at-least", str(ahead), "--reason", "restore"],
+                                env=env)
+    assert result.exit_code == 0, result.output
+    assert _generation(migrated_url) == ahead
+    assert f"-> {ahead}" in result.output
+    shown = CliRunner().invoke(cli_app, ["generation", "show"], env=env)
+    assert shown.exit_code == 0
+    assert shown.output.strip() == str(ahead)
+    # again: one more, never the same generation twice
+    assert CliRunner().invoke(cli_app, ["generation", "raise"], env=env).exit_code == 0
+    assert _generation(migrated_url) == ahead + 1
+    engine = make_engine(migrated_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            audits = session.scalars(select(AuditEvent).where(AuditEvent.action == "generation.raise")
+                                     .order_by(AuditEvent.id)).all()
+    finally:
+        engine.dispose()
+    assert [(a.actor, a.after, a.reason) for a in audits] == [
+        ("cli:local", {"generation": ahead}, "restore"), ("cli:local", {"generation": ahead + 1}, "")]
+    refused = CliRunner().invoke(cli_app, ["generation", "raise", "--at-least", "-1"], env=env)
+    assert refused.exit_code == 2
+    assert "at-least" in refused.output

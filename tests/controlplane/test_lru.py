@@ -75,3 +75,28 @@ def test_threads_sharing_it_never_push_it_past_capacity() -> None:
         t.join()
     assert errors == []
     assert len(cache) == 50
+
+
+def test_a_weighed_lru_drops_the_least_recent_past_its_weight_but_keeps_the_newest() -> None:
+    cache: LRU[str, bytes] = LRU(100, weigh=len, max_weight=10)
+    cache.put("a", b"xxxx")
+    cache.put("b", b"xxxx")
+    assert cache.get("a") == b"xxxx"  # a is now the most recent
+    cache.put("c", b"xxxx")  # 12 > 10: the least recent (b) goes
+    assert "b" not in cache
+    assert "a" in cache
+    assert "c" in cache
+    assert cache.weight == 8
+    cache.put("a", b"x")  # replacing re-weighs
+    assert cache.weight == 5
+    cache.put("huge", b"x" * 50)  # alone over the bound: everything older goes, the newest stays
+    assert len(cache) == 1
+    assert cache.get("huge") == b"x" * 50
+    assert cache.weight == 50
+    cache.clear()
+    assert cache.weight == 0
+
+
+def test_a_weighed_lru_needs_a_weight_bound() -> None:
+    with pytest.raises(ValueError, match="max_weight"):
+        LRU(10, weigh=len)

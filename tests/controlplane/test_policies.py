@@ -16,6 +16,9 @@ from controlplane.policy.repository import RevisionRepository
 from tests.support.factories import seed_text
 
 Headers = dict[str, str]
+
+# These tests count how many times an action bumped the generation.
+pytestmark = pytest.mark.usefixtures("generations_count_changes")
 YAML = {"content-type": "application/yaml"}
 
 

@@ -29,6 +29,9 @@ from tests.support.factories import seed_policy, seed_text
 
 Headers = dict[str, str]
 
+# These tests count how many times an action bumped the generation.
+pytestmark = pytest.mark.usefixtures("generations_count_changes")
+
 
 # -- helpers ------------------------------------------------------------------------------------------
 

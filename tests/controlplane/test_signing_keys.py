@@ -35,7 +35,7 @@ def _run(url: str, *args: str) -> str:
     return result.output
 
 
-def test_the_envelope_signs_generation_pool_and_expiry(client: TestClient, settings: ControlPlaneSettings,
+def test_the_envelope_signs_generation_pool_worker_and_expiry(client: TestClient, settings: ControlPlaneSettings,
                                                        worker_key: dict[str, str],
                                                        operator: dict[str, str]) -> None:
     seed_policy(settings.database_url)
@@ -43,6 +43,11 @@ def test_the_envelope_signs_generation_pool_and_expiry(client: TestClient, setti
     trusted = BundleVerifier([client.get("/v1/bundle/public-key").json()["public_key"]])
     first = trusted.verify_envelope(_envelope(client, worker_key))
     assert first.delivery.pool == "pool-a"
+    assert first.delivery.worker_id == "w1"
+    # Another worker of the pool: the same content and ETag, but an envelope only it accepts.
+    register(client, worker_key, "w2")
+    other = trusted.verify_envelope(_envelope(client, worker_key, "w2"))
+    assert (other.etag, other.delivery.pool, other.delivery.worker_id) == (first.etag, "pool-a", "w2")
     ttl = settings.bundle_ttl_s
     assert time.time() + ttl <= first.delivery.expires_at <= time.time() + 1.1 * ttl + 1
     with session_for(settings.database_url) as session:

@@ -35,6 +35,7 @@ from controlplane.telemetry.repository import EVENT_COLUMNS, TelemetryRepository
 from controlplane.telemetry.schemas import MAX_EVENTS, REJECTED_KEPT
 from controlplane.telemetry.service import purge
 from specgate.cli import app as cli_app
+from tests.support.factories import seed_policy
 from tests.support.live import serve
 from tests.support.telemetry_bodies import event
 from wire.problems import ProblemCode
@@ -58,6 +59,18 @@ def post(client: TestClient, headers: dict[str, str], body: Any, *, compress: bo
         raw = gzip.compress(raw)
         extra["Content-Encoding"] = "gzip"
     return client.post(URL, content=raw, headers={**headers, **extra})
+
+
+@pytest.fixture
+def worker_key(worker_key: dict[str, str], settings: ControlPlaneSettings) -> dict[str, str]:
+    """The fleet key, with the policies the events here name: "seed" (pool-less) and "other" (pool "a").
+
+    A worker key's events must name a policy that serves their pool (issue 16); these tests are about
+    storage, so the world they claim exists.
+    """
+    seed_policy(settings.database_url)
+    seed_policy(settings.database_url, name="other", pool="a")
+    return worker_key
 
 
 @pytest.fixture

@@ -86,6 +86,7 @@ def test_a_second_worker_key_cannot_act_as_another_pools_worker(
 
 def test_telemetry_for_another_worker_is_refused_per_event_and_the_rest_stored(
         client: TestClient, settings: ControlPlaneSettings, make_key: MakeKey) -> None:
+    seed_policy(settings.database_url)  # pool-less: serves every pool the events claim
     victim = bearer(make_key(Scope.worker, "sidecar-a", pool="pool-a"))
     attacker = bearer(make_key(Scope.worker, "sidecar-b", worker_ids=["gpu-b"]))
     assert _register(client, victim, "gpu-a", "pool-a").status_code == 201
@@ -110,7 +111,7 @@ def test_telemetry_for_another_worker_is_refused_per_event_and_the_rest_stored(
     _forbidden_naming(unregistered, "ghost")
     # The pool key sends for its registered worker.
     own = _send(client, victim, {"batch_id": "b-a", "worker_id": "gpu-a", "schema_version": 1,
-                                 "events": [event(5, worker_id="gpu-a")]})
+                                 "events": [event(5, worker_id="gpu-a", pool="pool-a")]})
     assert own.json()["stored"] == 1
     assert _stored_ids(settings) == {"ev-0", "ev-2", "ev-5"}
 
@@ -235,3 +236,80 @@ def test_an_unbound_key_cannot_place_a_new_worker_in_another_keys_pool(
     _forbidden_naming(_register(client, legacy, "newcomer", "pool-p"), "newcomer")
     # Still unbound: its first registration elsewhere binds it.
     assert _register(client, legacy, "newcomer", "pool-q").status_code == 201
+
+
+def test_telemetry_claiming_another_pool_or_policy_is_refused_per_event(
+        client: TestClient, settings: ControlPlaneSettings, make_key: MakeKey) -> None:
+    # Guardrails and recommendations select by policy and revision: a bound key must not skew another pool's.
+    seed_policy(settings.database_url, name="seed-a", pool="pool-a")
+    seed_policy(settings.database_url, name="seed-b", pool="pool-b")
+    seed_policy(settings.database_url, name="fallback")  # the pool-less one: serves pools without a policy
+    key = bearer(make_key(Scope.worker, "sidecar-a", pool="pool-a"))
+    assert _register(client, key, "gpu-a", "pool-a").status_code == 201
+    mine = {"worker_id": "gpu-a", "pool": "pool-a"}
+    body = {"batch_id": "b-claims", "worker_id": "gpu-a", "schema_version": 1, "events": [
+        event(0, **mine, policy="seed-a"),
+        event(1, **mine, policy="seed-b"),  # another pool's policy
+        event(2, worker_id="gpu-a", pool="pool-b", policy="seed-b"),  # another pool altogether
+        event(3, **mine, policy="fallback"),  # in flight while the pool moved off the pool-less policy
+        event(4, **mine, policy="nonexistent")]}
+    r = _send(client, key, body)
+    assert r.status_code == 200, r.text
+    ack = r.json()
+    assert [(x["index"], [(e["path"], e["code"]) for e in x["errors"]]) for x in ack["rejected"]] == [
+        (1, [("policy", "wrong_policy")]), (2, [("pool", "pool_mismatch")]), (4, [("policy", "wrong_policy")])]
+    assert "'pool-a', not 'pool-b'" in ack["rejected"][1]["errors"][0]["message"]
+    assert _stored_ids(settings) == {"ev-0", "ev-3"}
+
+
+def test_a_long_poll_and_a_stream_end_when_their_worker_leaves_the_keys_pool(
+        settings: ControlPlaneSettings, make_key: MakeKey) -> None:
+    import asyncio
+
+    import httpx
+
+    from controlplane.app import create_app
+    from tests.support.live import serve
+
+    seed_policy(settings.database_url)  # pool-less: the bundle is the same in both pools
+    pool_key = bearer(make_key(Scope.worker, "pool-a-fleet", pool="pool-a"))
+    own_key = bearer(make_key(Scope.worker, "gpu-m-itself", worker_ids=["gpu-m"]))
+    app = create_app(settings)
+
+    async def scenario(base: str) -> tuple[httpx.Response, list[str]]:
+        async with httpx.AsyncClient(base_url=base, timeout=20) as http:
+            r = await http.post("/v1/workers/register", headers=own_key, json={"id": "gpu-m", "pool": "pool-a"})
+            assert r.status_code == 201, r.text
+            etag = (await http.get("/v1/bundle", params={"worker": "gpu-m"}, headers=pool_key)).json()["etag"]
+            poll = asyncio.ensure_future(http.get("/v1/bundle", params={"worker": "gpu-m", "wait": 15},
+                                                  headers={**pool_key, "If-None-Match": f'"{etag}"'}))
+            lines: list[str] = []
+
+            async def stream() -> None:
+                async with http.stream("GET", "/v1/bundle/events", params={"worker": "gpu-m"},
+                                       headers=pool_key) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        lines.append(line)
+
+            streaming = asyncio.ensure_future(stream())
+            deadline = asyncio.get_running_loop().time() + 10
+            while app.state.hub.waiters < 2:
+                assert asyncio.get_running_loop().time() < deadline, "the poll and the stream never waited"
+                await asyncio.sleep(0.02)
+            # The worker moves to another pool, with its own key (legitimate): the pool key loses it.
+            r = await http.post("/v1/workers/register", headers=own_key, json={"id": "gpu-m", "pool": "pool-b"})
+            assert r.status_code in (200, 201), r.text
+            polled = await asyncio.wait_for(poll, 10)
+            await asyncio.wait_for(streaming, 10)
+            return polled, lines
+
+    with serve(app) as base:
+        polled, lines = asyncio.run(scenario(base))
+    # Before: the long-poll went on waiting (and answered the new pool's bundle on its next change), and the
+    # stream went on announcing the worker's bundles to the pool key.
+    _forbidden_naming(polled, "gpu-m")
+    assert "event: error" in lines
+    error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
+    assert error["type"].endswith("/worker-not-allowed")
+    assert "pool-b" in error["detail"]

@@ -68,7 +68,7 @@ def sign_raw(key: SigningKey, payload: dict[str, Any]) -> dict[str, Any]:
     validity) hold on their own, for payloads a buggy control plane could sign.
     """
     private = Ed25519PrivateKey.from_private_bytes(base64.b64decode(key.private_key_b64()))
-    delivery = {"generation": 0, "pool": "", "expires_at": 0}
+    delivery = {"generation": 0, "pool": "", "expires_at": 0, "worker_id": ""}
     signed = {**payload, **{k: v for k, v in delivery.items() if k not in payload}}
     content = {k: v for k, v in signed.items() if k not in delivery}
     body = canonical_json(signed)

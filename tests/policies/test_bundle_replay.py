@@ -34,7 +34,7 @@ def _payload(*, kill_switch: bool = False, cohort_secret: str = "") -> BundlePay
     return BundlePayload(_multi_route(), None, kill_switch, cohort_secret)
 
 
-DELIVERY = Delivery(generation=7, pool="pool-a", expires_at=2_000_000_000)
+DELIVERY = Delivery(generation=7, pool="pool-a", expires_at=2_000_000_000, worker_id="w1")
 
 
 def test_delivery_is_signed_but_not_part_of_the_etag() -> None:
@@ -50,7 +50,8 @@ def test_delivery_is_signed_but_not_part_of_the_etag() -> None:
     assert later["signatures"] != envelope["signatures"]
 
 
-@pytest.mark.parametrize(("field", "value"), [("generation", 8), ("pool", "pool-b"), ("expires_at", 2_100_000_000)])
+@pytest.mark.parametrize(("field", "value"), [("generation", 8), ("pool", "pool-b"), ("expires_at", 2_100_000_000),
+                                                ("worker_id", "w2")])
 def test_editing_the_delivery_breaks_the_signature(field: str, value: Any) -> None:
     key = SigningKey.generate()
     envelope = key.sign(_payload(), DELIVERY)
@@ -61,7 +62,7 @@ def test_editing_the_delivery_breaks_the_signature(field: str, value: Any) -> No
 
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("generation", -1, "generation"), ("generation", True, "generation"), ("generation", "7", "generation"),
-    ("pool", None, "pool"), ("expires_at", 1.5, "expires_at")])
+    ("pool", None, "pool"), ("expires_at", 1.5, "expires_at"), ("worker_id", 7, "worker_id")])
 def test_malformed_delivery_is_refused_even_when_signed(field: str, value: Any, match: str) -> None:
     key = SigningKey.generate()
     envelope = key.sign(_payload(), DELIVERY)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from policies import BundlePayload, Delivery, PolicyStore, Revision, SigningKey, load_policy
+from policies import BundlePayload, Delivery, PolicyStore, Revision, SigningKey, canonical_json, load_policy
 from sidecar.batch import InFlight
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import SidecarSettings
@@ -27,8 +27,8 @@ def _payload(kill_switch: bool = False) -> BundlePayload:
 
 
 def _envelope(key: SigningKey, *, kill_switch: bool = False, generation: int = 1, pool: str = POOL,
-              expires_in: float = 3600, also: tuple[SigningKey, ...] = ()) -> bytes:
-    delivery = Delivery(generation, pool, int(time.time() + expires_in))
+              expires_in: float = 3600, also: tuple[SigningKey, ...] = (), worker_id: str = "w1") -> bytes:
+    delivery = Delivery(generation, pool, int(time.time() + expires_in), worker_id)
     return json.dumps(key.sign(_payload(kill_switch), delivery, also=also)).encode()
 
 
@@ -94,6 +94,8 @@ def test_the_same_bundle_again_is_a_no_op_not_a_refusal(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("delivery", "reason"), [
     ({"generation": 3, "pool": "pool-b"}, "other_worker"),
+    # same pool, another worker's envelope: during a workers-mode rollout it may carry the canary
+    ({"generation": 9, "worker_id": "w2"}, "other_worker"),
     ({"generation": 9, "expires_in": -1}, "expired"),
 ])
 def test_another_pools_or_an_expired_bundle_is_refused_while_the_current_keeps_serving(
@@ -109,6 +111,19 @@ def test_another_pools_or_an_expired_bundle_is_refused_while_the_current_keeps_s
     assert sync.refused == {reason: 1}
     assert sync.store.current is not None
     assert sync.store.current.kill_switch is False
+    assert sync.high_water == 2
+
+
+def test_a_pool_bound_envelope_without_a_worker_is_still_accepted(tmp_path: Path) -> None:
+    # Envelopes signed before workers were bound (and last-known-good files holding one) bind the pool only.
+    key = SigningKey.generate()
+    sync = _sync(tmp_path, key)
+    envelope = json.loads(_envelope(key, generation=2, worker_id=""))
+    del envelope["payload"]["worker_id"]  # as an older control plane signed it
+    envelope["signatures"] = [key.signature(canonical_json(envelope["payload"]))]
+
+    assert asyncio.run(_apply(sync, json.dumps(envelope).encode()))
+    assert sync.refused == {}
     assert sync.high_water == 2
 
 

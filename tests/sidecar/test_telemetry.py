@@ -324,11 +324,13 @@ def test_against_the_real_control_plane_through_an_outage(tmp_path: Path) -> Non
 
     from controlplane.migrations_state import upgrade
     from controlplane.models import TelemetryEventRecord
+    from tests.support.factories import seed_policy
     from tests.support.fleet_rows import session_for
     from tests.support.live import ControlPlane
 
     url = f"sqlite:///{tmp_path / 'cp.db'}"
     upgrade(url)
+    seed_policy(url)  # the policy the events name
     cp = ControlPlane(url)
     cp.start()
 
