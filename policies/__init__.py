@@ -17,7 +17,9 @@ from policies.bundle import (
     SigningKey,
     canonical_document,
     canonical_json,
+    canonical_members,
     canonical_yaml,
+    envelope_bytes,
     revision_id,
     sign_envelope,
 )
@@ -50,6 +52,8 @@ __all__ = [
     "CompiledBundle",
     "Delivery",
     "SignedBundle",
+    "canonical_members",
+    "envelope_bytes",
     "sign_envelope",
     "CompiledPolicy",
     "Decision",

@@ -286,6 +286,25 @@ def sign_envelope(keys: Iterable[SigningKey], payload: BundlePayload, delivery: 
     }
 
 
+def canonical_members(payload: BundlePayload) -> dict[str, bytes]:
+    """The canonical JSON of each top-level member of a bundle's content, for :func:`envelope_bytes`."""
+    return {key: canonical_json(value) for key, value in payload.to_dict().items()}
+
+
+def envelope_bytes(keys: Iterable[SigningKey], members: Mapping[str, bytes], etag: str,
+                   delivery: Delivery) -> bytes:
+    """The envelope :func:`sign_envelope` makes, as JSON bytes, from the content's :func:`canonical_members`.
+
+    A control plane signs one envelope per worker and change; serialising the (possibly large) policy
+    documents once per content instead of once per worker keeps that cheap. The signed body is byte for
+    byte ``canonical_json`` of content and delivery: members are joined in sorted key order.
+    """
+    parts = {**members, **{key: canonical_json(value) for key, value in delivery.to_dict().items()}}
+    body = b"{" + b",".join(canonical_json(key) + b":" + parts[key] for key in sorted(parts)) + b"}"
+    signatures = canonical_json([key.signature(body) for key in keys])
+    return b'{"payload":' + body + b',"etag":' + canonical_json(etag) + b',"signatures":' + signatures + b"}"
+
+
 class BundleVerifier:
     """Checks envelopes against one or more trusted public keys (key rotation)."""
 

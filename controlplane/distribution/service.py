@@ -14,7 +14,6 @@ change.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -37,7 +36,8 @@ from policies import (
     PolicyValidationError,
     Revision,
     SigningKey,
-    sign_envelope,
+    canonical_members,
+    envelope_bytes,
     validate_data,
 )
 
@@ -105,12 +105,16 @@ _bundles: LRU[_BundleKey, BundlePayload] = LRU(4096)
 _EnvelopeKey = tuple[str, str, str, str, int, int]
 # Bounded by bytes too: per worker, a fleet of large policies would otherwise hold thousands of big envelopes.
 _envelopes: LRU[_EnvelopeKey, bytes] = LRU(16384, weigh=len, max_weight=64 * 1024 * 1024)
+# A content's members serialised once (by ETag), for the envelopes of every worker it goes to.
+_members: LRU[str, dict[str, bytes]] = LRU(1024, weigh=lambda members: sum(map(len, members.values())),
+                                           max_weight=64 * 1024 * 1024)
 
 
 def clear_caches() -> None:
     _revisions.clear()
     _bundles.clear()
     _envelopes.clear()
+    _members.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,9 +304,10 @@ def signed_body(signer: BundleSigner, bundle: Bundle, *, now: float | None = Non
     cached = _envelopes.get(key)
     if cached is not None:
         return cached
-    envelope = sign_envelope(signer.keys, bundle.payload,
-                             Delivery(bundle.generation, bundle.pool, key[5], bundle.worker_id))
-    return _envelopes.put(key, json.dumps(envelope, ensure_ascii=False, separators=(",", ":")).encode())
+    members = _members.get(bundle.etag) or _members.put(bundle.etag, canonical_members(bundle.payload))
+    body = envelope_bytes(signer.keys, members, bundle.etag,
+                          Delivery(bundle.generation, bundle.pool, key[5], bundle.worker_id))
+    return _envelopes.put(key, body)
 
 
 def normalize_etag(value: str) -> str:

@@ -4,6 +4,7 @@ strict format checks, and the cohort secret carried to the compiled policies (is
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ from policies import (
     Revision,
     SigningKey,
     canonical_json,
+    canonical_members,
+    envelope_bytes,
     interpret,
     load_policy,
 )
@@ -148,3 +151,22 @@ def test_the_cohort_secret_moves_requests_between_exploration_cohorts() -> None:
         shape = RequestShape(request_id=i)
         assert (CompiledBundle(_payload(cohort_secret="s" * 64)).decide(shape)
                 == interpret(revision.document, shape, revision.id, cohort_secret="s" * 64))
+
+
+@pytest.mark.parametrize("canary_percent", [None, 12.5])
+def test_envelope_bytes_from_canonical_members_are_the_signed_envelope(canary_percent: float | None) -> None:
+    # The control plane serialises a content's members once and joins them per worker: the signed body must
+    # stay byte for byte canonical JSON of content and delivery, or sidecars would refuse every envelope.
+    from policies import Canary
+
+    old, new = SigningKey.generate(), SigningKey.generate()
+    canary = None if canary_percent is None else Canary(_multi_route(), canary_percent, "salt-é")
+    payload = BundlePayload(_multi_route(), canary, True, "secret-ü")
+    delivery = Delivery(generation=2**40, pool="pool-é", expires_at=2_000_000_000, worker_id="w/1")
+    raw = envelope_bytes([new, old], canonical_members(payload), payload.etag, delivery)
+    assert json.loads(raw) == new.sign(payload, delivery, also=[old])
+    for key in (old, new):
+        signed = BundleVerifier([key.public_key_b64]).verify_envelope(json.loads(raw))
+        assert (signed.payload, signed.delivery) == (payload, delivery)
+    body = raw[len(b'{"payload":'):raw.index(b',"etag":')]
+    assert body == canonical_json({**payload.to_dict(), **delivery.to_dict()})
