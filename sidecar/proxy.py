@@ -298,9 +298,13 @@ class _Watched:
 
     def unwatch(self, watcher: asyncio.Future[Message] | None) -> None:
         self.done = True
+        # Let go of the task and the hook: a task that ended in an exception keeps its traceback, whose frames
+        # hold this call (and the request body), a cycle only a full garbage collection would free.
+        self.task = None
         if watcher is None:
             if self.hook is not None:
                 self.hook.on_disconnect = None
+                self.hook = None
         elif not watcher.done():
             watcher.remove_done_callback(self.on_receive)
             watcher.cancel()
