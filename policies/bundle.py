@@ -277,13 +277,9 @@ class SigningKey:
 
 
 def sign_envelope(keys: Iterable[SigningKey], payload: BundlePayload, delivery: Delivery) -> dict[str, Any]:
-    signed = {**payload.to_dict(), **delivery.to_dict()}
-    body = canonical_json(signed)
-    return {
-        "payload": signed,
-        "etag": payload.etag,
-        "signatures": [key.signature(body) for key in keys],
-    }
+    """The signed envelope as a JSON object (:func:`envelope_bytes`, parsed)."""
+    envelope: dict[str, Any] = json.loads(envelope_bytes(keys, canonical_members(payload), payload.etag, delivery))
+    return envelope
 
 
 def canonical_members(payload: BundlePayload) -> dict[str, bytes]:

@@ -41,6 +41,16 @@ class Principal:
     def unbound(self) -> bool:
         return self.pool is None and self.worker_ids is None
 
+    def names(self, worker_id: str) -> bool:
+        """Whether the key is bound to ``worker_id`` by id (then in whatever pool it is)."""
+        return self.worker_ids is not None and worker_id in self.worker_ids
+
+    def may_act_as(self, worker_id: str, pool: str | None) -> bool:
+        """Whether this key may act as ``worker_id``, registered in ``pool`` (None: not registered)."""
+        if self.scope is not Scope.worker or self.names(worker_id):
+            return True
+        return self.pool is not None and pool == self.pool
+
 
 def binding_of(pool: str | None, worker_ids: Iterable[str] | None) -> dict[str, object]:
     """A key's binding as the audit log and the key listing show it."""
@@ -118,12 +128,8 @@ def still_allowed(principal: Principal, worker_id: str, pool: str) -> None:
     (a change that wakes them), and a pool-bound key must not go on receiving its bundles. No database read:
     the caller has just read the worker's pool with its bundle.
     """
-    p = principal
-    if p.scope is not Scope.worker or (p.worker_ids is not None and worker_id in p.worker_ids):
-        return
-    if p.pool is not None and p.pool == pool:
-        return
-    raise _not_allowed(p, worker_id, f"the worker moved to pool {pool!r}")
+    if not principal.may_act_as(worker_id, pool):
+        raise _not_allowed(principal, worker_id, f"the worker moved to pool {pool!r}")
 
 
 class WorkerGrant:
@@ -149,14 +155,10 @@ class WorkerGrant:
     def allowed(self, worker_ids: Collection[str]) -> set[str]:
         """The ids among ``worker_ids`` this key may act as (an admin key: all of them)."""
         p = self.principal
-        if p.scope is not Scope.worker:
-            return set(worker_ids)
-        ok = {w for w in worker_ids if p.worker_ids is not None and w in p.worker_ids}
-        if p.pool is not None:
-            rest = [w for w in worker_ids if w not in ok]
-            self._load(rest)
-            ok.update(w for w in rest if self._pools[w] == p.pool)
-        return ok
+        if p.scope is Scope.worker and p.pool is not None:
+            # Only the pool decides for the workers the key does not name: read theirs (at most one query).
+            self._load([w for w in worker_ids if not p.names(w)])
+        return {w for w in worker_ids if p.may_act_as(w, self._pools.get(w))}
 
     def pools_of(self, worker_ids: Collection[str]) -> dict[str, str | None]:
         """The pool each worker is registered in; None for one not registered (yet): a key may act as such a
@@ -218,7 +220,7 @@ def authorize_registration(session: Session, principal: Principal, worker_id: st
                before=binding_of(None, None), after=binding_of(None, [worker_id]))
         return
     # A worker the key names by id is its own, in whatever pool it announces (moving pools is legitimate).
-    if p.worker_ids is not None and worker_id in p.worker_ids:
+    if p.names(worker_id):
         return
     if p.pool is not None and pool != p.pool:
         raise WorkerNotAllowed(f"key {p.name!r} may not register worker {worker_id!r} into pool {pool!r}: it "
