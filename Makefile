@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# `make run SHAPE=pools`: a gateway in front of replica pools instead of a sidecar in front of twin engines.
+SHAPE ?= twin
 STAMP := $(VENV)/.specgate-installed
 
 .PHONY: install browser run test test-fast lint typecheck bench clean
@@ -45,7 +47,7 @@ test: lint typecheck browser
 # dashboard; prints every URL and a fresh admin key. Ctrl-C stops it all.
 # `.venv/bin/specgate up --no-engines` brings up only the control plane and dashboard.
 run: install
-	$(BIN)/specgate up
+	$(BIN)/specgate up --shape $(SHAPE)
 
 bench: install
 	$(BIN)/python -m bench.decisions

@@ -142,7 +142,7 @@ EVALUATE_GUARDRAILS = Endpoint("POST", "/v1/rollouts/{rollout_id}/guardrails/eva
 KILL_SWITCH = Endpoint("GET", "/v1/killswitch", KillSwitch)
 SET_KILL_SWITCH = Endpoint("PUT", "/v1/killswitch", KillSwitchChange)
 FLEET = Endpoint("GET", "/v1/fleet", Fleet)
-WORKERS = Endpoint("GET", "/v1/workers", WorkerPage, query=("pool", "cursor", "limit"))
+WORKERS = Endpoint("GET", "/v1/workers", WorkerPage, query=("pool", "kind", "cursor", "limit"))
 AUDIT = Endpoint("GET", "/v1/audit", AuditPage, query=("q", "action", "actor", "target_type", "cursor", "limit"))
 
 ROLLUPS = Endpoint("GET", "/v1/telemetry/rollups", RollupReport,
@@ -276,8 +276,10 @@ def fleet() -> Call[Fleet]:
     return FLEET()
 
 
-def workers(*, pool: str | None = None, cursor: str | None = None, limit: int | None = None) -> Call[WorkerPage]:
-    return WORKERS(params={"pool": pool, "cursor": cursor, "limit": limit})
+def workers(*, pool: str | None = None, kind: str | None = None, cursor: str | None = None,
+            limit: int | None = None) -> Call[WorkerPage]:
+    """``kind``: "worker" or "gateway"; None lists both."""
+    return WORKERS(params={"pool": pool, "kind": kind, "cursor": cursor, "limit": limit})
 
 
 def audit(*, q: str | None = None, action: str | None = None, actor: str | None = None,

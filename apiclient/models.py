@@ -189,8 +189,22 @@ class KillSwitchChange(KillSwitch):
 
 # --- the fleet -----------------------------------------------------------------------------
 
+class Replica(Answer):
+    engine: str
+    replica: str
+    state: str
+    in_flight: int
+    running: float | None
+    waiting: float | None
+    consecutive_failures: int
+    ejections: int
+    returns: int
+    next_probe_in_s: float | None
+
+
 class Worker(Answer):
     id: str
+    kind: str
     pool: str
     labels: dict[str, str]
     engines: dict[str, str]
@@ -201,6 +215,8 @@ class Worker(Answer):
     expected_etag: str | None
     stale: bool
     converged: bool
+    replicas: list[Replica]
+    replicas_reported_at: dt.datetime | None
 
 
 class WorkerPage(Answer):
@@ -225,12 +241,22 @@ class PoolFleet(FleetGroup):
     pool: str
 
 
+class ReplicaCounts(Answer):
+    reporters: int
+    total: int
+    healthy: int
+    ejected: int
+
+
 class Fleet(Answer):
     generation: int
     kill_switch: bool
     stale_after_s: float
     overall: FleetGroup
     pools: list[PoolFleet]
+    gateways: FleetGroup
+    gateway_pools: list[PoolFleet]
+    replicas: ReplicaCounts
 
 
 # --- audit ---------------------------------------------------------------------------------
@@ -319,6 +345,7 @@ class SummaryReport(Answer):
     group_by: list[str]
     rows: list[SummaryRow]
     workers: list[WorkerSummary] | None = None
+    replicas: list[WorkerSummary] | None = None
     truncated: bool
 
 

@@ -286,7 +286,7 @@ def run(config: Config) -> dict[str, Any]:
         started.append(upstream)
         sink, sink_port = spawn_ready_line("cp-sink", [sys.executable, "-m", "bench.cp_sink"], log_dir)
         started.append(sink)
-        sidecar = start_sidecar(f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{sink_port}", work, log_dir)
+        sidecar = start_sidecar([f"http://127.0.0.1:{up_port}"], f"http://127.0.0.1:{sink_port}", work, log_dir)
         started.append(sidecar)
         wait_ready(sidecar, config.ready_timeout_s)
         context = multiprocessing.get_context("spawn")

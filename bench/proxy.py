@@ -15,6 +15,11 @@ its own process, all on 127.0.0.1:
   ``policies/examples/seed.yaml`` in its state dir with the key passed as
   ``--public-key``, the route table ``/v1/chat/completions=chat`` (so the seed
   rule speculates at batch size <= 4 and not above), telemetry to the sink;
+  ``gateway`` — the same sidecar as ``--kind gateway`` (replica scope) with
+  each engine a pool of two replicas: the upstream and a second FAKE upstream
+  of its own, so that what replica pools add per request (scrapes per
+  replica, the batch per engine, the choice of a replica) is measured against
+  ``sidecar``;
   ``vllm-router`` — ``--policy round_robin``; ``litellm`` — the LiteLLM proxy,
   one worker, model ``openai/fake-model`` at the upstream; ``nginx`` — one
   worker process, HTTP/1.1 keep-alive upstream, no buffering, no access log;
@@ -65,7 +70,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "bench" / ".peers"
 SEED = ROOT / "policies" / "examples" / "seed.yaml"
-ALL_PEERS = ("sidecar", "vllm-router", "litellm", "nginx")
+ALL_PEERS = ("sidecar", "gateway", "vllm-router", "litellm", "nginx")
 MODES = ("json", "stream")
 TOKENS = {"json": 16, "stream": 64}
 LITELLM_KEY = "sk-specgate-bench"  # a local benchmark's made-up key
@@ -82,6 +87,7 @@ GOAL_CPU_JSON_MS = 0.5
 GOAL_CPU_STREAM_MS = 1.0
 GOAL_VS_ROUTER = 0.8
 GOAL_VS_LITELLM = 20.0
+GOAL_POOL_EXTRA_CPU_US = 20.0  # issue 17: what the pool logic may add to the sidecar's CPU per request
 
 
 class BenchError(RuntimeError):
@@ -260,17 +266,22 @@ def write_sidecar_state(state_dir: Path) -> str:
     return key.public_key_b64
 
 
-def start_sidecar(upstream: str, sink: str, work: Path, log_dir: Path) -> Proc:
+def start_sidecar(upstreams: Sequence[str], sink: str, work: Path, log_dir: Path, kind: str = "worker") -> Proc:
+    """``specgate sidecar`` with engines draft and base, each the pool of ``upstreams``; ``kind`` gateway is the
+    ``gateway`` peer."""
+    name = "sidecar" if kind == "worker" else kind
     port = free_port()
-    state = work / "sidecar-state"
+    state = work / f"{name}-state"
     public_key = write_sidecar_state(state)
-    argv = [_console_script("specgate"), "sidecar", "--engine", f"draft={upstream}", "--engine", f"base={upstream}",
-            "--listen", f"127.0.0.1:{port}", "--route", "/v1/chat/completions=chat", "--state-dir", str(state),
-            "--public-key", public_key, "--key", WORKER_KEY, "--control-plane", sink, "--pool", "bench",
-            "--worker-id", "bench-sidecar", "--log-level", "warning"]
-    proc = spawn("sidecar", argv, log_dir)
+    replicas = ",".join(upstreams)
+    argv = [_console_script("specgate"), "sidecar", "--kind", kind, "--engine", f"draft={replicas}",
+            "--engine", f"base={replicas}", "--listen", f"127.0.0.1:{port}", "--route", "/v1/chat/completions=chat",
+            "--state-dir", str(state), "--public-key", public_key, "--key", WORKER_KEY, "--control-plane", sink,
+            "--pool", "bench", "--worker-id", f"bench-{name}", "--log-level", "warning"]
+    proc = spawn(name, argv, log_dir)
     proc.url = f"http://127.0.0.1:{port}"
-    proc.info = {"command": "specgate sidecar --engine draft=UPSTREAM --engine base=UPSTREAM "
+    shown = ",".join(f"UPSTREAM{i + 1 if i else ''}" for i in range(len(upstreams)))
+    proc.info = {"command": f"specgate sidecar --kind {kind} --engine draft={shown} --engine base={shown} "
                             "--route /v1/chat/completions=chat --state-dir DIR --public-key KEY "
                             "--control-plane SINK --log-level warning",
                  "version": _version("specgate"), "policy": "policies/examples/seed.yaml (last-known-good bundle)"}
@@ -453,14 +464,26 @@ def harness(config: Config) -> Iterator[dict[str, Any]]:
         upstream.url = f"http://127.0.0.1:{up_port}"
         peers: dict[str, Proc] = {}
         sink = None
-        if "sidecar" in config.peers:
+        second: Proc | None = None
+        if "gateway" in config.peers:
+            second, second_port = spawn_ready_line("upstream-2", [sys.executable, "-m", "bench.fake_openai",
+                                                                  "--tokens", str(TOKENS["json"]),
+                                                                  "--stream-tokens", str(TOKENS["stream"])],
+                                                   log_dir)
+            started.append(second)
+            second.url = f"http://127.0.0.1:{second_port}"
+        if "sidecar" in config.peers or "gateway" in config.peers:
             sink, sink_port = spawn_ready_line("cp-sink", [sys.executable, "-m", "bench.cp_sink"], log_dir)
             started.append(sink)
             sink.url = f"http://127.0.0.1:{sink_port}"
         for name in config.peers:
             if name == "sidecar":
                 assert sink is not None
-                proc = start_sidecar(upstream.url, sink.url, work, log_dir)
+                proc = start_sidecar([upstream.url], sink.url, work, log_dir)
+            elif name == "gateway":
+                assert sink is not None
+                assert second is not None
+                proc = start_sidecar([upstream.url, second.url], sink.url, work, log_dir, kind="gateway")
             elif name == "vllm-router":
                 proc = start_vllm_router(upstream.url, log_dir, config.peers_dir)
             elif name == "litellm":
@@ -585,6 +608,17 @@ def evaluate_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             goals.append({"goal": f"CPU under {limit} ms per {what}",
                           "result": ", ".join(f"c={k}: {v:.3f} ms" for k, v in sorted(cpu.items())),
                           "met": all(v < limit for v in cpu.values())})
+    parts, met = [], True
+    for r in side:
+        g = row("gateway", r["mode"], r["level"])
+        if g is None or g["proxy_cpu_ms_per_req"] is None or r["proxy_cpu_ms_per_req"] is None:
+            continue
+        extra_us = 1000 * (g["proxy_cpu_ms_per_req"] - r["proxy_cpu_ms_per_req"])
+        parts.append(f"{r['mode']} c={r['level']}: {extra_us:+.0f} us")
+        met = met and extra_us < GOAL_POOL_EXTRA_CPU_US
+    if parts:
+        goals.append({"goal": f"replica pools (gateway, 2 replicas per engine) add under {GOAL_POOL_EXTRA_CPU_US} us "
+                              "of CPU per request to the sidecar's", "result": ", ".join(parts), "met": met})
     for other, factor, what in (("vllm-router", GOAL_VS_ROUTER, "throughput ratio >= 0.8x vllm-router's"),
                                 ("litellm", GOAL_VS_LITELLM, "throughput >= 20x LiteLLM's")):
         parts, met = [], True
@@ -838,11 +872,17 @@ def _sink_stats(h: dict[str, Any]) -> dict[str, int]:
 
 
 def _sidecar_requests(h: dict[str, Any]) -> int:
-    """The sidecar's own count of the requests it finished (``specgate_sidecar_requests_total``)."""
-    with urllib.request.urlopen(h["peers"]["sidecar"].url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("specgate_sidecar_requests_total{")))
+    """The requests the sidecar and the gateway (both send their events to the sink) count as finished
+    (``specgate_sidecar_requests_total``)."""
+    total = 0.0
+    for name in ("sidecar", "gateway"):
+        if name not in h["peers"]:
+            continue
+        with urllib.request.urlopen(h["peers"][name].url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("specgate_sidecar_requests_total{"))
+    return int(total)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, Path | None]:
@@ -886,7 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     if report["telemetry"]:
         t = report["telemetry"]
         print(f"telemetry: the stand-in control plane received {t['events_received']} events in {t['batches']} "
-              f"batches for the {t['sidecar_requests_answered']} requests the sidecar answered")
+              f"batches for the {t['sidecar_requests_answered']} requests the sidecar (and gateway) answered")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))

@@ -140,6 +140,8 @@ class Worker(Base):
     __tablename__ = "workers"
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # worker | gateway (a sidecar in front of engine replicas on other hosts); rows from before are workers.
+    kind: Mapped[str] = mapped_column(String(16), default="worker", server_default="worker")
     pool: Mapped[str] = mapped_column(String(128), index=True)
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     engines: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
@@ -148,6 +150,10 @@ class Worker(Base):
     active_etag: Mapped[str | None] = mapped_column(String(64))
     registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # The replicas it last reported ([{engine, replica, state, ...}], controlplane.worker.schemas.ReplicaRead);
+    # NULL: it never reported any. Kept as one document: it is replaced whole by each report, never queried.
+    replicas: Mapped[list[Any] | None] = mapped_column(JSON)
+    replicas_reported_at: Mapped[dt.datetime | None] = mapped_column()
 
 
 class ApiKey(Base):
@@ -255,6 +261,8 @@ class TelemetryEventRecord(Base):
     rule: Mapped[str] = mapped_column(String(63))
     engine: Mapped[str] = mapped_column(String(63))
     decided_engine: Mapped[str] = mapped_column(String(63))
+    # NULL from sidecars before replica pools, or when no replica was tried.
+    replica: Mapped[str | None] = mapped_column(String(255))
     speculate: Mapped[bool] = mapped_column(Boolean)
     num_speculative_tokens: Mapped[int] = mapped_column(Integer)
     explored: Mapped[bool] = mapped_column(Boolean)

@@ -95,12 +95,14 @@ def _in_range(r: Range | None, value: int | None) -> bool:
     return r.contains(value)
 
 
-def matches(when: When, shape: RequestShape) -> bool:
+def matches(when: When, shape: RequestShape, engine: str | None = None) -> bool:
+    """Whether ``when`` holds for ``shape``; a batch predicate reads the batch of ``engine``, the engine the
+    rule decides for (the shape's ``engine_batch``), else the shape's ``batch_size``."""
     if when.route is not None and shape.route not in when.route:
         return False
     if when.model is not None and shape.model not in when.model:
         return False
-    if not _in_range(when.batch_size, shape.batch_size):
+    if not _in_range(when.batch_size, shape.batch_size if engine is None else shape.batch_for(engine)):
         return False
     if not _in_range(when.max_tokens, shape.max_tokens):
         return False
@@ -122,7 +124,7 @@ def interpret(doc: PolicyDocument, shape: RequestShape, revision: str = "", *,
               cohort_secret: str = "") -> Decision:
     decision = _decision_for(doc, doc.default, DEFAULT_RULE, revision)
     for rule in doc.rules:
-        if matches(rule.when, shape):
+        if matches(rule.when, shape, rule.then.engine):
             decision = _decision_for(doc, rule.then, rule.name, revision)
             break
     rate = doc.exploration.rate
@@ -201,11 +203,24 @@ class _Emitter:
 
     def __init__(self) -> None:
         self.namespace: dict[str, Any] = {}
+        self.engines: dict[str, int] = {}
 
     def const(self, value: Any) -> str:
         name = f"_c{len(self.namespace)}"
         self.namespace[name] = value
         return name
+
+    def engine_index(self, engine: str) -> int:
+        """A number per engine name whose batch rules test, and the constant ``_e<number>`` naming it."""
+        index = self.engines.get(engine)
+        if index is None:
+            index = self.engines[engine] = len(self.engines)
+            self.namespace[f"_e{index}"] = engine
+        return index
+
+
+# What a condition adds to the attributes it reads for the batch of one engine: this prefix and the variable
+_ENGINE_BATCH = "engine_batch:"
 
 
 def _range_test(var: str, r: Range, may_be_none: bool) -> str:
@@ -221,14 +236,16 @@ def _range_test(var: str, r: Range, may_be_none: bool) -> str:
     return " and ".join(parts)
 
 
-def _condition(em: _Emitter, when: When, used: set[str]) -> str:
+def _condition(em: _Emitter, when: When, used: set[str], engine: str) -> str:
     tests: list[str] = []
     if when.model is not None:
         used.add("model")
         tests.append(f"model in {em.const(frozenset(when.model))}")
     if when.batch_size is not None:
-        used.add("batch_size")
-        tests.append(_range_test("batch_size", when.batch_size, False))
+        # The batch of the rule's own engine, computed once per call at the top of the function (_function)
+        var = f"_b{em.engine_index(engine)}"
+        used.add(_ENGINE_BATCH + var)
+        tests.append(_range_test(var, when.batch_size, False))
     if when.max_tokens is not None:
         used.add("max_tokens")
         tests.append(_range_test("max_tokens", when.max_tokens, True))
@@ -276,7 +293,16 @@ def _chain(pieces: Iterable[_Piece], lines: list[str], used: set[str]) -> bool:
 
 
 def _function(name: str, used: Iterable[str], lines: list[str]) -> str:
-    loads = [f"    {attr} = s.{attr}" for attr in sorted(set(used))]
+    attrs = set(used)
+    batches = sorted(attr[len(_ENGINE_BATCH):] for attr in attrs if attr.startswith(_ENGINE_BATCH))
+    attrs.difference_update(_ENGINE_BATCH + var for var in batches)
+    if batches:
+        attrs.update(("batch_size", "engine_batch"))
+    loads = [f"    {attr} = s.{attr}" for attr in sorted(attrs)]
+    # Without per-engine batches (a worker whose engines share one accelerator) every engine's batch is the
+    # shape's batch_size; with them (replica pools) each engine's is looked up once per call.
+    for var in batches:
+        loads.append(f"    {var} = batch_size if engine_batch is None else engine_batch.get(_e{var[2:]}, batch_size)")
     return "\n".join([f"def {name}(s):", *loads, *lines])
 
 
@@ -313,7 +339,7 @@ def _build(doc: PolicyDocument, revision: str, salt: str) -> tuple[Callable[[Req
         decision = _decision_for(doc, rule.then, rule.name, revision)
         alternative = _explored_alternative(doc, decision)
         reads: set[str] = set()
-        condition = _condition(em, rule.when, reads)
+        condition = _condition(em, rule.when, reads, rule.then.engine)
         routes = tuple(dict.fromkeys(rule.when.route)) if rule.when.route is not None else None
         pieces.append(_Piece(position, routes, condition, frozenset(reads), outcome(decision, alternative),
                              compiled_tests(rule)))

@@ -19,7 +19,11 @@ class RequestShape:
     """The facts about one request that rules may test.
 
     ``batch_size`` counts the requests in flight on the worker when this one is
-    admitted, this one included. ``max_tokens`` is None when the client did not
+    admitted, this one included. ``engine_batch``, when set, is the batch the
+    request would join on each engine it names (in replica pools: on that
+    engine's least-loaded healthy replica); a rule's batch predicate reads the
+    entry of the engine that rule decides for, and ``batch_size`` when there is
+    none. ``max_tokens`` is None when the client did not
     set it; a range predicate on an unknown value does not match.
     ``arrival_time`` (seconds since the Unix epoch) is read only by exploration
     in time windows; without it such a policy explores nothing.
@@ -36,6 +40,14 @@ class RequestShape:
     labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY_LABELS)
     request_id: str | None = None
     arrival_time: float | None = None
+    engine_batch: Mapping[str, int] | None = None
+
+    def batch_for(self, engine: str) -> int:
+        """The batch a rule that decides for ``engine`` sees."""
+        engine_batch = self.engine_batch
+        if engine_batch is None:
+            return self.batch_size
+        return engine_batch.get(engine, self.batch_size)
 
     @classmethod
     def from_dict(cls, data: Any) -> RequestShape:
@@ -75,6 +87,22 @@ class RequestShape:
                                     or not math.isfinite(arrival)):
             errors.append(FieldError("arrival_time", ErrorCode.wrong_type,
                                      "expected a finite number of seconds since the Unix epoch"))
+        engine_batch = data.get("engine_batch")
+        if engine_batch is not None:
+            if not isinstance(engine_batch, Mapping):
+                errors.append(FieldError("engine_batch", ErrorCode.wrong_type,
+                                         "expected a mapping of engine names to batch sizes"))
+            else:
+                for name, size in engine_batch.items():
+                    path = f"engine_batch.{name}"
+                    if not isinstance(name, str):
+                        errors.append(FieldError("engine_batch", ErrorCode.wrong_type,
+                                                 "expected engine names (strings) as keys"))
+                    elif isinstance(size, bool) or not isinstance(size, int):
+                        errors.append(FieldError(path, ErrorCode.wrong_type,
+                                                 f"expected an integer, got {type(size).__name__}"))
+                    elif size < 0:
+                        errors.append(FieldError(path, ErrorCode.out_of_range, f"{size} is negative"))
         labels = data.get("labels", {})
         if not isinstance(labels, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
@@ -85,15 +113,21 @@ class RequestShape:
         values = {k: v for k, v in data.items() if k != "labels"}
         if values.get("arrival_time") is not None:
             values["arrival_time"] = float(values["arrival_time"])
+        if engine_batch is not None:
+            values["engine_batch"] = MappingProxyType(dict(engine_batch))
         return cls(labels=MappingProxyType(dict(labels)), **values)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The shape as ``from_dict`` reads it; ``engine_batch`` only when set (a worker's shapes lack it)."""
+        out = {
             "route": self.route, "model": self.model, "batch_size": self.batch_size,
             "structured_output": self.structured_output, "tools": self.tools, "stream": self.stream,
             "max_tokens": self.max_tokens, "prompt_tokens": self.prompt_tokens,
             "labels": dict(self.labels), "request_id": self.request_id, "arrival_time": self.arrival_time,
         }
+        if self.engine_batch is not None:
+            out["engine_batch"] = dict(self.engine_batch)
+        return out
 
 
 @dataclass(frozen=True, slots=True)

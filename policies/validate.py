@@ -476,9 +476,11 @@ class _Facts:
     highs: tuple[float, float, float]
     flags: tuple[bool | None, bool | None, bool | None]  # structured_output, tools, stream
     labels: dict[str, frozenset[str]]
+    # The engine whose batch the rule's batch_size predicate reads (RequestShape.engine_batch), None without one
+    batch_engine: str | None = None
 
     @classmethod
-    def of(cls, when: When) -> _Facts:
+    def of(cls, when: When, engine: str | None = None) -> _Facts:
         ranges = (when.batch_size, when.max_tokens, when.prompt_tokens)
         lows = tuple(-_UNBOUNDED if r is None or r.min is None else r.min for r in ranges)
         highs = tuple(_UNBOUNDED if r is None or r.max is None else r.max for r in ranges)
@@ -488,6 +490,7 @@ class _Facts:
             (lows[0], lows[1], lows[2]), (highs[0], highs[1], highs[2]),
             (when.structured_output, when.tools, when.stream),
             when.label_sets(),
+            engine if when.batch_size is not None else None,
         )
 
 
@@ -496,6 +499,10 @@ def _covers(earlier: _Facts, later: _Facts) -> bool:
 
     Written out rather than looped: it runs for many pairs of rules, and the ranges usually decide it.
     """
+    if earlier.batch_engine is not None and earlier.batch_engine != later.batch_engine:
+        # Each reads the batch of its own engine (in replica pools they differ): the earlier rule's batch says
+        # nothing about the later one's, so a later rule for another pool is where load spills.
+        return False
     el, ll, eh, lh = earlier.lows, later.lows, earlier.highs, later.highs
     if el[0] > ll[0] or el[1] > ll[1] or el[2] > ll[2] or eh[0] < lh[0] or eh[1] < lh[1] or eh[2] < lh[2]:
         return False
@@ -636,7 +643,7 @@ def _shadowed_rules(valid_rules: list[tuple[int, Rule]]) -> list[FieldError]:
     by_label: dict[tuple[str, str], list[_Earlier]] = {}
     by_route: dict[str, list[_Earlier]] = {}
     for later_index, later in valid_rules:
-        facts = _Facts.of(later.when)
+        facts = _Facts.of(later.when, later.then.engine)
         routes = facts.route
         candidates = [everywhere]
         candidates += [by_label.get((key, min(values)), []) for key, values in facts.labels.items()]

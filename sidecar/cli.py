@@ -18,6 +18,20 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def _engines(values: list[str] | None) -> dict[str, list[str]] | None:
+    """``--engine NAME=URL`` repeatable, and ``NAME=URL1,URL2``: each name's replicas in the order given."""
+    if not values:
+        return None
+    out: dict[str, list[str]] = {}
+    for item in values:
+        name, sep, urls = item.partition("=")
+        replicas = [url.strip() for url in urls.split(",")]
+        if not sep or not name.strip() or not all(replicas):
+            _fail(f"--engine must be NAME=URL or NAME=URL1,URL2, got {item!r}")
+        out.setdefault(name.strip(), []).extend(replicas)
+    return out
+
+
 def _pairs(values: list[str] | None, option: str, what: str) -> dict[str, str] | None:
     if not values:
         return None
@@ -61,7 +75,14 @@ def sidecar(
     key_file: Annotated[Path | None, typer.Option("--key-file", help="file holding the worker API key "
                                                   "(mode 0600)")] = None,
     engine: Annotated[list[str] | None, typer.Option("--engine", help="NAME=URL of an engine variant's "
-                                                     "OpenAI-compatible server; repeatable")] = None,
+                                                     "OpenAI-compatible server; repeatable: a name given twice, "
+                                                     "or NAME=URL1,URL2, is a pool of replicas")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help="worker (beside its engines, which share its "
+                                             "accelerator) or gateway (in front of replica pools on other "
+                                             "hosts; batch per replica)")] = None,
+    batch_scope: Annotated[str | None, typer.Option("--batch-scope", help="auto, worker or replica: which "
+                                                    "requests a rule's batch size counts (auto: replica for "
+                                                    "a gateway)")] = None,
     listen: Annotated[str | None, typer.Option("--listen", help="HOST:PORT to serve on")] = None,
     pool: Annotated[str | None, typer.Option("--pool", help="the pool whose policy this worker runs")] = None,
     label: Annotated[list[str] | None, typer.Option("--label", help="k=v, repeatable")] = None,
@@ -79,12 +100,15 @@ def sidecar(
     """Run the worker sidecar: policy sync, per-request decisions, proxying, telemetry.
 
     Every option can also come from the environment: SPECGATE_CONTROL_PLANE, SPECGATE_KEY, SPECGATE_KEY_FILE,
-    SPECGATE_ENGINES='{"base": "http://..."}', SPECGATE_LISTEN, SPECGATE_POOL, SPECGATE_LABELS,
+    SPECGATE_ENGINES='{"base": "http://...", "draft": ["http://a...", "http://b..."]}', SPECGATE_KIND,
+    SPECGATE_BATCH_SCOPE, SPECGATE_EJECT_AFTER, SPECGATE_PROBE_INITIAL_S, SPECGATE_PROBE_MAX_S,
+    SPECGATE_MAX_QUEUE, SPECGATE_AFFINITY_SLACK, SPECGATE_LISTEN, SPECGATE_POOL, SPECGATE_LABELS,
     SPECGATE_ROUTES, SPECGATE_STATE_DIR, SPECGATE_PUBLIC_KEYS='["..."]', SPECGATE_WORKER_ID.
     OpenTelemetry export is on when OTEL_EXPORTER_OTLP_ENDPOINT is set.
     """
     settings = build_settings(
-        control_plane=control_plane, key=key, key_file=key_file, engines=_pairs(engine, "--engine", "NAME=URL"),
+        control_plane=control_plane, key=key, key_file=key_file, engines=_engines(engine),
+        kind=kind, batch_scope=batch_scope,
         listen=listen, pool=pool, labels=_pairs(label, "--label", "k=v"),
         routes=_pairs(route, "--route", "PATH_OR_MODEL=ROUTE"), state_dir=state_dir, public_keys=public_key or None,
         worker_id=worker_id)

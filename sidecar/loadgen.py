@@ -495,12 +495,14 @@ class Outcome:
     error: str | None = None  # None: ok; else a kind: http_503, connect, timeout, disconnected, ...
     ttft_s: float | None = None
     engine: str | None = None  # from the decision header
+    replica: str | None = None  # ... which names the replica that answered (replica pools)
     rule: str | None = None
     explored: bool = False
     fallback: bool = False
     completion_tokens: int | None = None
     drafted: int | None = None
     accepted: int | None = None
+    engine_itl_ms: float | None = None  # vLLM's per-request mean inter-token latency, when the answer carries it
     valid_json: bool | None = None  # structured requests: did the answer parse as JSON
 
 
@@ -510,6 +512,9 @@ def apply_answer(outcome: Outcome, answer: Mapping[str, Any]) -> None:
     if isinstance(usage, Mapping) and isinstance(usage.get("completion_tokens"), int):
         outcome.completion_tokens = usage["completion_tokens"]
     metrics = answer.get("metrics")
+    itl = metrics.get("mean_itl_ms") if isinstance(metrics, Mapping) else None
+    if isinstance(itl, (int, float)) and not isinstance(itl, bool) and math.isfinite(itl) and itl >= 0:
+        outcome.engine_itl_ms = float(itl)
     spec = metrics.get("speculative_decoding") if isinstance(metrics, Mapping) else None
     if isinstance(spec, Mapping):
         drafted, accepted = spec.get("num_draft_tokens"), spec.get("num_accepted_draft_tokens")
@@ -774,6 +779,7 @@ class LoadRun:
                 outcome.status = resp.status
                 decision = parse_decision(resp.headers.get(DECISION_HEADER))
                 outcome.engine = decision.get("engine")
+                outcome.replica = decision.get("replica")
                 outcome.rule = decision.get("rule")
                 outcome.explored = decision.get("explored") == "true"
                 outcome.fallback = FALLBACK_HEADER in resp.headers

@@ -69,8 +69,10 @@ class Sidecar:
         self.app = (app_factory or _default_app_factory())(self.settings, self.store, self.exporter,
                                                             on_event=on_event)
         metrics = getattr(self.app, "metrics", None)
+        pools = getattr(self.app, "pools", None)
         self.sync = PolicySync(self.settings, self.store, in_flight=self._in_flight,
-                               refused=getattr(metrics, "bundle_refused", None))
+                               refused=getattr(metrics, "bundle_refused", None),
+                               replicas=pools.report if pools is not None else None)
 
     def _in_flight(self) -> int:
         inflight = getattr(self.app, "inflight", None)
@@ -80,8 +82,12 @@ class Sidecar:
         await self.sync.start()
         await self.exporter.start()
         current = self.store.current
-        log.info("sidecar %s: worker %s, pool %s, engines %s; policy %s", sidecar_version(),
-                 self.settings.worker_id, self.settings.pool, ", ".join(self.settings.engines) or "none",
+        settings = self.settings
+        engines = ", ".join(f"{name} ({len(urls)} replica{'s' if len(urls) != 1 else ''})"
+                            for name, urls in settings.engines.items())
+        log.info("sidecar %s: %s %s, pool %s, engines %s, batch per %s; policy %s", sidecar_version(),
+                 settings.kind, settings.worker_id, settings.pool, engines or "none",
+                 "replica" if settings.replica_scope else "worker",
                  f"{current.etag[:12]} ({self.sync.source})" if current else "not loaded yet")
 
     async def stop(self, flush_timeout_s: float = 5.0) -> None:

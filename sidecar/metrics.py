@@ -22,11 +22,19 @@ Exposed (all prefixed ``specgate_sidecar_``):
 * ``telemetry_queue_depth`` — events waiting in the exporter (when it reports ``queue_depth()``)
 * ``active_revision{policy,revision,role}`` — 1 for the revision(s) in use (role active|canary)
 * ``kill_switch`` — 1 when the bundle's kill switch is on
-* ``engine_running{engine}`` — last scraped ``vllm:num_requests_running`` per engine
+* ``engine_running{engine}`` — last scraped ``vllm:num_requests_running`` per engine, over its replicas
+* ``replica_healthy{engine,replica}`` — 1 while the replica takes requests, 0 while it is ejected
+* ``replica_in_flight{engine,replica}`` — this sidecar's requests on the replica now
+* ``replica_running{engine,replica}``, ``replica_waiting{engine,replica}`` — the engine's own counts at the
+  last fresh scrape (absent without one)
+* ``replica_ejections_total{engine,replica}``, ``replica_returns_total{engine,replica}`` — ejections, and
+  returns after a probe answered
+* ``replica_requests_total{engine,replica}`` — attempts sent to the replica
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from policies import PolicyStore
-from sidecar.batch import EngineScraper, InFlight
+from sidecar.replicas import InFlight, Pools
 from wire.telemetry import EventStatus
 
 PREFIX = "specgate_sidecar_"
@@ -58,11 +66,11 @@ class _Histogram:
 
 
 class SidecarMetrics(Collector):
-    def __init__(self, store: PolicyStore, inflight: InFlight, scraper: EngineScraper | None = None,
+    def __init__(self, store: PolicyStore, inflight: InFlight, pools: Pools | None = None,
                  queue_depth: Callable[[], int] | None = None) -> None:
         self.store = store
         self.inflight = inflight
-        self.scraper = scraper
+        self.pools = pools
         self.queue_depth = queue_depth
         self.decisions: dict[tuple[str, str], int] = {}
         self.requests: dict[tuple[str, EventStatus], int] = {}
@@ -166,9 +174,43 @@ class SidecarMetrics(Collector):
         yield family
         yield GaugeMetricFamily(PREFIX + "kill_switch", "1 when the kill switch is on",
                                 value=1 if bundle is not None and bundle.kill_switch else 0)
-        if self.scraper is not None:
-            family = GaugeMetricFamily(PREFIX + "engine_running",
-                                       "Last scraped vllm:num_requests_running per engine", labels=["engine"])
-            for engine, (value, _at) in list(self.scraper.running.items()):
-                family.add_metric([engine], value)
-            yield family
+        if self.pools is not None:
+            yield from self._replica_families(self.pools)
+
+    def _replica_families(self, pools: Pools) -> Iterator[Metric]:
+        now = time.monotonic()
+        running = GaugeMetricFamily(PREFIX + "engine_running",
+                                    "Last scraped vllm:num_requests_running per engine, over its replicas",
+                                    labels=["engine"])
+        labels = ["engine", "replica"]
+        healthy = GaugeMetricFamily(PREFIX + "replica_healthy", "1 while the replica takes requests, 0 while "
+                                    "ejected", labels=labels)
+        in_flight = GaugeMetricFamily(PREFIX + "replica_in_flight", "This sidecar's requests on the replica",
+                                      labels=labels)
+        replica_running = GaugeMetricFamily(PREFIX + "replica_running", "vllm:num_requests_running at the last "
+                                            "fresh scrape", labels=labels)
+        waiting = GaugeMetricFamily(PREFIX + "replica_waiting", "vllm:num_requests_waiting at the last fresh "
+                                    "scrape", labels=labels)
+        ejections = CounterMetricFamily(PREFIX + "replica_ejections", "Replica ejections after failures in a row",
+                                        labels=labels)
+        returns = CounterMetricFamily(PREFIX + "replica_returns", "Ejected replicas returned after a probe",
+                                      labels=labels)
+        requests = CounterMetricFamily(PREFIX + "replica_requests", "Attempts sent to the replica", labels=labels)
+        for engine, pool in pools.pools.items():
+            total: float | None = None
+            for replica in pool:
+                key = [engine, replica.name]
+                fresh = now < replica.fresh_until
+                healthy.add_metric(key, 1 if replica.healthy else 0)
+                in_flight.add_metric(key, replica.in_flight)
+                if fresh and replica.running is not None:
+                    replica_running.add_metric(key, replica.running)
+                    total = replica.running + (total or 0.0)
+                if fresh and replica.waiting is not None:
+                    waiting.add_metric(key, replica.waiting)
+                ejections.add_metric(key, replica.ejections)
+                returns.add_metric(key, replica.returns)
+                requests.add_metric(key, replica.requests)
+            if total is not None:
+                running.add_metric([engine], total)
+        yield from (running, healthy, in_flight, replica_running, waiting, ejections, returns, requests)

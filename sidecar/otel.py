@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -65,12 +65,13 @@ def error_type(event: TelemetryEvent) -> str | None:
 class OTelHook:
     """Turns telemetry events into spans and GenAI metrics on the given providers.
 
-    ``engines`` (name -> base URL) gives each span its ``server.address`` and
-    ``server.port``. :meth:`on_event` never raises.
+    ``engines`` (name -> base URL, or the URLs of its replicas) gives each span
+    its ``server.address`` and ``server.port``: those of the replica the event
+    names, else of the engine's first URL. :meth:`on_event` never raises.
     """
 
     def __init__(self, tracer_provider: TracerProvider, meter_provider: MeterProvider, *,
-                 engines: Mapping[str, str] | None = None, version: str | None = None) -> None:
+                 engines: Mapping[str, str | Sequence[str]] | None = None, version: str | None = None) -> None:
         self._tracer = tracer_provider.get_tracer(INSTRUMENTATION, version)
         meter = meter_provider.get_meter(INSTRUMENTATION, version)
         self._ttft = meter.create_histogram(
@@ -87,7 +88,8 @@ class OTelHook:
             "gen_ai.client.token.usage", unit="{token}", description="Input and output tokens used",
             explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
         self._servers: dict[str, tuple[str, int | None]] = {}
-        for name, url in (engines or {}).items():
+        for name, urls in (engines or {}).items():
+            url = urls if isinstance(urls, str) else next(iter(urls), "")
             parts = urlsplit(url)
             if parts.hostname:
                 try:
@@ -104,7 +106,7 @@ class OTelHook:
 
     def _record(self, event: TelemetryEvent, operation: str) -> None:
         failure = error_type(event)
-        server = self._servers.get(event.engine)
+        server = _replica_server(event.replica) if event.replica else self._servers.get(event.engine)
         common: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.request.model": event.model}
         if server is not None:
             common["server.address"] = server[0]
@@ -187,7 +189,18 @@ def otel_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return any(env.get(name, "").strip() for name in ENDPOINT_VARIABLES)
 
 
-def otel_from_env(*, worker_id: str, engines: Mapping[str, str] | None = None, version: str | None = None,
+def _replica_server(name: str) -> tuple[str, int | None] | None:
+    """HOST and PORT of a replica's name (sidecar.replicas.replica_name: HOST:PORT[/PREFIX])."""
+    parts = urlsplit("//" + name)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return (parts.hostname, port) if parts.hostname else None
+
+
+def otel_from_env(*, worker_id: str, engines: Mapping[str, str | Sequence[str]] | None = None,
+                  version: str | None = None,
                   environ: Mapping[str, str] | None = None) -> OTelRuntime | None:
     """OTLP/HTTP export of spans and metrics when an OTLP endpoint is configured, else None (no cost)."""
     if not otel_enabled(environ):

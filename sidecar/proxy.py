@@ -1,21 +1,28 @@
-"""The sidecar's request path: a raw ASGI app in front of one worker's engine variants.
+"""The sidecar's request path: a raw ASGI app in front of one worker's engine variants (or, as a gateway, in
+front of pools of replicas of them).
 
 ``build_app(settings, store, exporter, on_event=None)`` returns the app. Per
 OpenAI request (``POST /v1/chat/completions``, ``POST /v1/completions``) it
 
 1. reads and parses the body once, classifies it (:mod:`sidecar.classify`)
-   with the batch size of :mod:`sidecar.batch`, and decides with
+   with the batch size of :mod:`sidecar.replicas` (per worker, or per engine:
+   the batch on the replica the request would join), and decides with
    ``store.current.decide(shape)`` (503 problem+json before the first policy;
    400 naming the field for what :class:`sidecar.classify.RequestError`
    refuses and for labels or an output schema over the settings' limits);
-2. forwards it to ``settings.engines[decision.engine]`` over that engine's
-   pool of keep-alive connections (:mod:`sidecar.upstream`); an engine the worker does
-   not have is replaced by the policy's fallback (plain) engine, recorded as
-   ``fallback_reason`` ``engine_not_configured``;
-3. if a speculative engine fails before the client got a byte (connection
-   refused, connect timeout, broken connection, 5xx), retries once on the
-   fallback engine (``retries=1``, ``fallback=True``, the ``fallback_reason``
-   of ``wire.telemetry.FallbackReason`` or ``upstream_5NN``);
+2. forwards it to a healthy replica of ``decision.engine`` (least loaded, or
+   the one ``X-Specgate-Affinity`` sticks to) over its pool of keep-alive
+   connections (:mod:`sidecar.upstream`); an engine the worker does not have,
+   or whose replicas are all ejected or full, is replaced by the policy's
+   fallback (plain) engine, recorded as ``fallback_reason``
+   ``engine_not_configured``, ``pool_unavailable`` or ``pool_saturated``; no
+   healthy replica of the fallback either is a 503 with ``Retry-After``;
+3. if a replica fails before the client got a byte (connection refused,
+   connect timeout, broken connection, 5xx), retries on another replica of
+   the same engine, else, for a speculative decision, on the fallback pool
+   (``retries``, ``fallback=True``, the ``fallback_reason`` of
+   ``wire.telemetry.FallbackReason`` or ``upstream_5NN``), three attempts at
+   most;
 4. relays the answer: JSON whole, streams event by event as they arrive;
 5. after the response is complete, builds one ``TelemetryEvent`` and hands it
    to ``exporter.submit`` and the ``on_event`` hook, on a later loop turn.
@@ -60,10 +67,10 @@ import aiohttp
 from yarl import URL
 
 from policies import CompiledBundle, Decision, PolicyStore, RequestShape
-from sidecar.batch import BatchEstimator, EngineScraper, InFlight
 from sidecar.classify import JSON_OBJECT, RequestError, check_text, classify, output_schema_at
 from sidecar.metrics import SidecarMetrics
 from sidecar.output_schema import compile_output_schema
+from sidecar.replicas import POOL_SATURATED, InFlight, Pools, Replica, retry_after_s
 from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
 from sidecar.upstream import Headers, Response, Upstream, UpstreamError
@@ -150,6 +157,15 @@ _RESP_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"co
 _START = "http.response.start"
 _BODY = "http.response.body"
 _H_DECISION = b"x-specgate-decision"
+_REPLICA = b"; replica="
+_H_RETRY_AFTER = b"retry-after"
+# Attempts of one request, first included: another replica of its engine, then the fallback pool.
+MAX_ATTEMPTS = 3
+# An affinity key is hashed per replica of every engine: a conversation id fits, a body does not.
+MAX_AFFINITY_CHARS = 256
+# The answers that say the server, not the request, is failing: only these (and connections that fail) count
+# towards a replica's ejection. A 500 may be the request's own doing; any client could eject a pool with it.
+_SERVER_FAILING = frozenset({502, 503, 504})
 _H_REQUEST_ID = b"x-request-id"
 _H_FALLBACK = b"x-specgate-fallback"
 _H_CONTENT_TYPE = b"content-type"
@@ -317,7 +333,7 @@ class _Call(_Watched):
         "t0", "wall", "request_id", "path", "shape", "decision", "bundle", "canary", "engine",
         "stream", "added_usage", "schema", "validator", "retries", "fallback", "fallback_reason", "status",
         "http_status", "first_token", "last_token", "n_chunks", "parts", "output", "usage", "metrics", "t_end",
-        "started", "decided", "done_seen", "delivered",
+        "started", "decided", "done_seen", "delivered", "replica", "affinity", "batch", "tried",
     )
 
     def __init__(self, t0: float, wall: float, request_id: str, path: str) -> None:
@@ -352,6 +368,10 @@ class _Call(_Watched):
         self.started = False
         self.done_seen = False  # the engine's `data: [DONE]` has been scanned
         self.delivered = False  # ...and handed to the client: a disconnect after it is no failure
+        self.replica: Replica | None = None  # the replica it runs on now (counted in its in_flight)
+        self.affinity: str | None = None  # X-Specgate-Affinity
+        self.batch = 0  # the batch it joined there, as the decision saw it
+        self.tried: list[Replica] | None = None  # replicas that failed it, after a retry
 
 
 class SidecarApp:
@@ -371,18 +391,17 @@ class SidecarApp:
         self.max_schema_bytes = settings.max_schema_bytes
         self.worker_id = settings.worker_id or settings.listen
         self.routes: Mapping[str, str] = dict(settings.routes)
-        self.engines: dict[str, str] = {name: url.rstrip("/") for name, url in settings.engines.items()}
-        self.upstreams: dict[str, Upstream] = {}  # the OpenAI requests
-        self.sessions: dict[str, aiohttp.ClientSession] = {}  # everything passed through
         self._headers: dict[int, tuple[Decision, bytes]] = {}
         self._schemas = _SchemaCache(settings.schema_cache_bytes)
         self.inflight = InFlight()
-        self.scraper = (EngineScraper(self.engines, settings.engine_metrics_s, inflight=self.inflight)
-                        if self.engines else None)
-        self.batch = BatchEstimator(self.inflight, self.scraper)
         queue_depth = getattr(exporter, "queue_depth", None)
-        self.metrics = SidecarMetrics(store, self.inflight, self.scraper,
+        self.pools = Pools(settings.engines, inflight=self.inflight, replica_scope=settings.replica_scope,
+                           interval_s=settings.engine_metrics_s, eject_after=settings.eject_after,
+                           probe_initial_s=settings.probe_initial_s, probe_max_s=settings.probe_max_s,
+                           max_queue=settings.max_queue, affinity_slack=settings.affinity_slack)
+        self.metrics = SidecarMetrics(store, self.inflight, self.pools,
                                       queue_depth if callable(queue_depth) else None)
+        self.replica_scope = self.pools.replica_scope
         self._started = False
 
     # --- lifecycle -----------------------------------------------------------------
@@ -394,29 +413,28 @@ class SidecarApp:
         self._started = True
         timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.upstream_connect_timeout_s,
                                         sock_read=self.settings.upstream_read_timeout_s)
-        for name, url in self.engines.items():
-            self.upstreams[name] = Upstream(url, connect_timeout_s=self.settings.upstream_connect_timeout_s,
-                                            read_timeout_s=self.settings.upstream_read_timeout_s)
+        for replica in self.pools.replicas.values():
+            replica.upstream = Upstream(replica.url, connect_timeout_s=self.settings.upstream_connect_timeout_s,
+                                        read_timeout_s=self.settings.upstream_read_timeout_s)
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0,
                                              ttl_dns_cache=300)
-            self.sessions[name] = aiohttp.ClientSession(
+            replica.session = aiohttp.ClientSession(
                 connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
                 skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar())
-        if self.scraper is not None:
-            self.scraper.start()
+        self.pools.start()
 
     async def shutdown(self) -> None:
         if not self._started:
             return
         self._started = False
-        if self.scraper is not None:
-            await self.scraper.stop()
-        sessions, self.sessions = self.sessions, {}
-        upstreams, self.upstreams = self.upstreams, {}
-        for upstream in upstreams.values():
-            await upstream.close()
-        for session in sessions.values():
-            await session.close()
+        await self.pools.stop()
+        for replica in self.pools.replicas.values():
+            upstream, replica.upstream = replica.upstream, None
+            session, replica.session = replica.session, None
+            if upstream is not None:
+                await upstream.close()
+            if session is not None:
+                await session.close()
         self._schemas.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -473,7 +491,7 @@ class SidecarApp:
         body = await self._read_body(receive, send)
         if body is None:
             return
-        route_header = labels_header = request_id = None
+        route_header = labels_header = request_id = affinity = None
         headers: Headers = []
         for name, value in scope["headers"]:
             if name in _API_DROP:
@@ -483,6 +501,8 @@ class SidecarApp:
                     route_header = value.decode("latin-1").strip()
                 elif name == b"x-specgate-labels":
                     labels_header = value.decode("latin-1")
+                elif name == b"x-specgate-affinity":
+                    affinity = value.decode("latin-1").strip()
                 continue
             if name == _H_REQUEST_ID:
                 request_id = value.decode("latin-1").strip()
@@ -511,10 +531,15 @@ class SidecarApp:
         headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
         headers.append((b"accept-encoding", b"identity"))
         call = _Call(t0, wall, request_id, scope["path"])
-        batch_size = self.batch.admit()
+        call.affinity = affinity or None
+        # In worker scope every engine sees this batch; in replica scope _decide gives each engine its own.
+        batch_size = self.pools.worker_batch(self.inflight.admit(), time.monotonic())
         try:
             try:
                 check_text(request_id, "X-Request-Id", "header")
+                if affinity is not None and len(affinity) > MAX_AFFINITY_CHARS:
+                    raise RequestError("X-Specgate-Affinity", "header", f"is {len(affinity)} characters, over the "
+                                       f"{MAX_AFFINITY_CHARS} allowed", "too_long")
                 call.shape = classify(data, path=call.path, route_header=route_header,
                                       labels_header=labels_header, routes=self.routes, batch_size=batch_size,
                                       request_id=request_id, arrival_time=wall, max_labels=self.max_labels,
@@ -529,7 +554,10 @@ class SidecarApp:
                 return
             await self._serve(call, bundle, data, body, headers, scope, receive, send)
         finally:
-            self.batch.release()
+            self.inflight.release()
+            replica = call.replica
+            if replica is not None:
+                replica.in_flight -= 1
             call.t_end = time.perf_counter()
             if call.decided:  # a decision was made: one telemetry event, off the hot path
                 asyncio.get_running_loop().call_soon(self._finish, call)
@@ -537,12 +565,27 @@ class SidecarApp:
     async def _serve(self, call: _Call, bundle: CompiledBundle, data: dict[str, Any], body: bytes,
                      headers: Headers, scope: Scope, receive: Receive, send: Send) -> None:
         fallback = self._decide(call, bundle)
-        if call.engine not in self.upstreams:
+        if call.engine not in self.pools.pools:
             call.status = EventStatus.error
             call.http_status = 502
             await _problem(send, 502, "engine-not-configured", "Engine not configured",
                            f"neither engine {call.decision.engine!r} nor the fallback {fallback!r} is configured "
                            "on this worker", self._our_headers(call))
+            return
+        if call.replica is None:
+            # Every replica of the engine it must run on is ejected: an answer now, never a hang. It may come
+            # back when a replica of either the decided engine or the fallback does.
+            call.status = EventStatus.upstream_error
+            call.http_status = 503
+            now = time.monotonic()
+            waits = [w for w in (self.pools.next_probe_s(call.engine, now),
+                                 self.pools.next_probe_s(call.decision.engine, now)) if w is not None]
+            wait = retry_after_s(min(waits) if waits else None)
+            self.metrics.reject("no_replica")
+            await _problem(send, 503, "no-replica", "No engine replica available",
+                           f"every replica of engine {call.engine!r} is ejected after failing; the next health "
+                           f"probe is in about {wait} s",
+                           [*self._our_headers(call), (_H_RETRY_AFTER, b"%d" % wait)])
             return
         body = self._engine_body(call, data, body)
         query = scope.get("query_string")
@@ -552,25 +595,24 @@ class SidecarApp:
         # The forwarding stays in this coroutine (not a method of its own): it runs per request, and another
         # coroutine would be another object made and awaited for each.
         try:
-            engine = call.engine
             while True:
+                replica = call.replica
+                assert replica is not None
                 # A retry only while nothing has reached the client (after the first byte it would garble the
-                # answer) and only for a speculative decision: the fallback is the plain engine the policy relies
-                # on, so a failure of a plain decision's engine is the client's answer, a 502.
-                retryable = (not call.retries and call.decision.speculate and engine != fallback
-                             and fallback in self.upstreams)
-                reason = await self._attempt(call, engine, body, headers, target, send, retryable)
+                # answer): on another replica of the same engine, else, for a speculative decision, on the
+                # fallback (plain) pool. A plain decision with no other replica gets the failure, a 502.
+                reason = await self._attempt(call, replica, body, headers, target, send, fallback)
                 if reason is None:
                     break
-                self.metrics.upstream_error(engine)
-                if retryable:
-                    self._fall_back(call, fallback, reason)
-                    engine = fallback
+                self.metrics.upstream_error(call.engine)
+                target_replica = self._retry_target(call, fallback, time.monotonic())
+                if target_replica is not None:
+                    self._retry(call, target_replica, fallback, reason)
                     continue
                 call.status = EventStatus.upstream_error
                 call.http_status = 502
                 await _problem(send, 502, "upstream-unavailable", "Engine unavailable",
-                               f"engine {engine!r} failed before answering ({reason})", self._our_headers(call))
+                               f"engine {call.engine!r} failed before answering ({reason})", self._our_headers(call))
                 break
         except asyncio.CancelledError:
             if not call.disconnected:  # the server is shutting down: not the client's doing
@@ -588,26 +630,93 @@ class SidecarApp:
             call.unwatch(watcher)
 
     def _decide(self, call: _Call, bundle: CompiledBundle) -> str:
-        """Decides the request and picks the engine it runs on; returns the policy's fallback engine.
+        """Decides the request and picks the engine and replica it runs on; returns the policy's fallback
+        engine.
 
         A decided engine this worker does not run is replaced by the fallback at once: a request served
-        plain is better than one refused, and the event records why (``engine_not_configured``).
+        plain is better than one refused, and the event records why (``engine_not_configured``). So is one
+        whose replicas are all ejected (``pool_unavailable``) or all full (``pool_saturated``). In replica
+        scope each engine's rules see the batch on the replica the request would join there
+        (sidecar/replicas.py); that replica is the one it then goes to.
         """
-        decision = bundle.decide(call.shape)
+        shape = call.shape
+        pools = self.pools
         policy = bundle.active if bundle.canary is None else bundle.policy_for(call.request_id)
+        fallback = policy.fallback_engine
+        now = time.monotonic()
+        choices = None
+        if self.replica_scope:
+            choices = {engine: pools.choose(engine, now, call.affinity) for engine in pools.pools}
+            shape.engine_batch = {engine: c.batch for engine, c in choices.items() if c.replica is not None}
+            plain = choices.get(fallback)
+            if plain is not None and plain.replica is not None:
+                shape.batch_size = plain.batch
+        decision = bundle.decide(shape)
         call.decision = decision
         call.bundle = bundle
         call.canary = policy is bundle.canary
         call.decided = True
-        fallback = policy.fallback_engine
         engine = decision.engine
-        if engine not in self.upstreams:
+        reason: str | None = None
+        choice = None
+        if engine not in pools.pools:
+            reason = FallbackReason.engine_not_configured
+        else:
+            choice = choices[engine] if choices is not None else pools.choose(engine, now, call.affinity)
+            if choice.reason is not None and engine != fallback and fallback in pools.pools:
+                reason = choice.reason
+        plain = None
+        if reason is not None and fallback in pools.pools:
+            plain = choices[fallback] if choices is not None else pools.choose(fallback, now, call.affinity)
+            if reason == POOL_SATURATED and plain.replica is None:
+                # The plain pool is down and the decided one only full: a full replica is better than none.
+                reason = None
+        if reason is not None:
             call.fallback = True
-            call.fallback_reason = FallbackReason.engine_not_configured
-            self.metrics.fallback(FallbackReason.engine_not_configured)
+            call.fallback_reason = reason
+            self.metrics.fallback(reason)
             engine = fallback
+            choice = plain
         call.engine = engine
+        if choice is not None and choice.replica is not None:
+            call.batch = choice.batch if choices is not None else shape.batch_size
+            call.replica = choice.replica
+            choice.replica.in_flight += 1
         return fallback
+
+    def _retry_target(self, call: _Call, fallback: str, now: float) -> Replica | None:
+        """Where a request whose replica failed goes next: another healthy replica of its engine, else for a
+        speculative decision one of the fallback pool's; None: nowhere (or no attempt left)."""
+        if call.retries >= MAX_ATTEMPTS - 1:
+            return None
+        pools = self.pools
+        tried: list[Replica] = [*(call.tried or ()), *((call.replica,) if call.replica is not None else ())]
+        choice = pools.choose(call.engine, now, None, exclude=tried)
+        if choice.replica is not None:
+            return choice.replica
+        if call.decision.speculate and call.engine != fallback and fallback in pools.pools:
+            return pools.choose(fallback, now, None, exclude=tried).replica
+        return None
+
+    def _retry(self, call: _Call, replica: Replica, fallback: str, reason: str) -> None:
+        """Moves a request whose replica failed unseen to ``replica``: a retry, recorded; on the fallback
+        engine also a fallback, with the failure as its reason."""
+        old = call.replica
+        if old is not None:
+            old.in_flight -= 1
+            if call.tried is None:
+                call.tried = [old]
+            elif old not in call.tried:
+                call.tried.append(old)
+        call.retries += 1
+        if call.engine not in replica.engines:
+            call.fallback = True
+            call.fallback_reason = reason
+            self.metrics.fallback(reason)
+            call.engine = fallback
+        call.replica = replica
+        call.batch = replica.load(time.monotonic()) + 1 if self.replica_scope else call.batch
+        replica.in_flight += 1
 
     def _engine_body(self, call: _Call, data: dict[str, Any], body: bytes) -> bytes:
         """The body the engine gets: a stream asks for usage, the chunk the engine's own numbers come in.
@@ -648,48 +757,60 @@ class SidecarApp:
                                f"{self.max_schema_bytes} allowed", "too_long")
         call.validator = self._schemas.lookup(key, schema)
 
-    def _fall_back(self, call: _Call, fallback: str, reason: str) -> None:
-        """Moves a request whose engine failed unseen to the fallback engine: its one retry, recorded."""
-        call.retries = 1
-        call.fallback = True
-        call.fallback_reason = reason
-        self.metrics.fallback(reason)
-        call.engine = fallback
-
     def _our_headers(self, call: _Call) -> list[tuple[bytes, bytes]]:
-        """X-Request-Id, X-Specgate-Decision (prebuilt per decision) and, after a fallback, X-Specgate-Fallback."""
+        """X-Request-Id, X-Specgate-Decision (prebuilt per decision, with the replica that serves appended)
+        and, after a fallback, X-Specgate-Fallback."""
         decision = call.decision
         cached = self._headers.get(id(decision))
         if cached is None or cached[0] is not decision:
             if len(self._headers) > 4096:
                 self._headers.clear()
             cached = self._headers[id(decision)] = (decision, decision.to_header().encode())
-        out = [(_H_REQUEST_ID, call.request_id.encode("latin-1", "replace")), (_H_DECISION, cached[1])]
+        replica = call.replica
+        value = cached[1] if replica is None else cached[1] + _REPLICA + replica.name_bytes
+        out = [(_H_REQUEST_ID, call.request_id.encode("latin-1", "replace")), (_H_DECISION, value)]
         if call.fallback:
             out.append((_H_FALLBACK, f"engine={call.engine}; reason={call.fallback_reason}".encode()))
         return out
 
-    async def _attempt(self, call: _Call, engine: str, body: bytes, headers: Headers,
-                       target: bytes, send: Send, retryable: bool) -> str | None:
-        """One upstream try. Returns a failure reason if it failed with nothing sent to the client."""
+    async def _attempt(self, call: _Call, replica: Replica, body: bytes, headers: Headers,
+                       target: bytes, send: Send, fallback: str) -> str | None:
+        """One upstream try. Returns a failure reason if it failed with nothing sent to the client; a 5xx
+        answer is such a failure only when the request has somewhere to go next, else it is relayed.
+
+        A refused or broken connection, a timeout and a 5xx count towards the replica's ejection; any other
+        answer resets the count.
+        """
+        replica.requests += 1
         try:
-            resp = await self.upstreams[engine].request(b"POST", target, headers, body)
+            resp = await replica.upstream.request(b"POST", target, headers, body)
         except UpstreamError as exc:
+            self._replica_failed(replica, exc.reason)
             return exc.reason
         complete = False
+        counted = False
         try:
             status = resp.status
-            if status >= 500 and retryable:
+            if status >= 500:
                 # Past 599 is no status HTTP defines (the parser takes up to 999): a broken answer, retried as one.
-                return upstream_status_reason(status) if status <= 599 else FallbackReason.upstream_disconnected
+                reason = upstream_status_reason(status) if status <= 599 else FallbackReason.upstream_disconnected
+                if status in _SERVER_FAILING or status > 599:
+                    self._replica_failed(replica, reason)
+                    counted = True
+                if self._retry_target(call, fallback, time.monotonic()) is not None:
+                    return reason
+            else:
+                self.pools.succeeded(replica)
             if call.stream and status == 200 and (resp.header(b"content-type") or b"").startswith(
                     b"text/event-stream"):
-                reason = await self._relay_stream(call, resp, send)
-                complete = reason is None
-                return reason
+                broken = await self._relay_stream(call, resp, send)
+                complete = broken is None
+                return broken
             try:
                 raw = await resp.read()
             except UpstreamError as exc:
+                if not counted:
+                    self._replica_failed(replica, exc.reason)
                 return exc.reason
             complete = True
             await self._deliver(call, resp, raw, send)
@@ -699,6 +820,12 @@ class SidecarApp:
                 resp.release()
             else:
                 resp.close()
+
+    def _replica_failed(self, replica: Replica, reason: str) -> None:
+        """Counts a failure towards the replica's ejection, unless the sidecar itself is shutting down (its
+        closed connections are no fault of the replica's)."""
+        if self._started:
+            self.pools.failed(replica, reason)
 
     def _relay_headers(self, resp: Response, call: _Call) -> list[tuple[bytes, bytes]]:
         out = [(name, value) for name, value in resp.headers if name not in _RESP_DROP]
@@ -762,6 +889,9 @@ class SidecarApp:
                     await send({"type": _BODY, "body": out, "more_body": True})
                     call.delivered = call.done_seen
         except UpstreamError as exc:
+            replica = call.replica
+            if replica is not None:
+                self._replica_failed(replica, exc.reason)
             if not call.started:
                 return exc.reason
             # after the first byte there is no retry: tell the client in the stream, then end it
@@ -897,12 +1027,13 @@ class SidecarApp:
             rule=decision.rule,
             engine=call.engine,
             decided_engine=decision.engine,
+            replica=call.replica.name if call.replica is not None else None,
             speculate=decision.speculate,
             num_speculative_tokens=decision.num_speculative_tokens,
             explored=decision.explored,
             canary=call.canary,
             kill_switch=call.bundle.kill_switch,
-            batch_size=shape.batch_size,
+            batch_size=call.batch if self.replica_scope and call.replica is not None else shape.batch_size,
             stream=shape.stream,
             structured_output=shape.structured_output,
             tools=shape.tools,
@@ -971,12 +1102,13 @@ class SidecarApp:
     # --- everything else: passed through to the plain engine -------------------------------
 
     def _plain_engine(self) -> str | None:
+        pools = self.pools.pools
         bundle = self.store.current
-        if bundle is not None and bundle.active.fallback_engine in self.sessions:
+        if bundle is not None and bundle.active.fallback_engine in pools:
             return bundle.active.fallback_engine
-        if "base" in self.sessions:
+        if "base" in pools:
             return "base"
-        return next(iter(self.sessions), None)
+        return next(iter(pools), None)
 
     async def _passthrough(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._read_body(receive, send)
@@ -987,18 +1119,32 @@ class SidecarApp:
             await _problem(send, 502, "engine-not-configured", "Engine not configured",
                            "this worker has no engine configured")
             return
+        now = time.monotonic()
+        replica = self.pools.choose(engine, now).replica
+        session = replica.session if replica is not None else None
+        if replica is not None and session is None:
+            await _problem(send, 503, "shutting-down", "Shutting down", "the sidecar is shutting down",
+                           [(_H_RETRY_AFTER, b"1")])
+            return
+        if replica is None or session is None:
+            wait = retry_after_s(self.pools.next_probe_s(engine, now))
+            await _problem(send, 503, "no-replica", "No engine replica available",
+                           f"every replica of engine {engine!r} is ejected after failing; the next health probe "
+                           f"is in about {wait} s", [(_H_RETRY_AFTER, b"%d" % wait)])
+            return
         headers = [(name.decode("latin-1"), value.decode("latin-1"))
                    for name, value in scope["headers"]
                    if name not in _HOP and not name.startswith(b"x-specgate-")]  # ours, never the engine's
         path = scope.get("raw_path") or scope["path"].encode()
-        url = URL(self.engines[engine] + path.decode("latin-1") + (
+        url = URL(replica.url + path.decode("latin-1") + (
             "?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else ""), encoded=True)
         try:
             # a redirect is the client's to follow (aiohttp would follow it here, by default)
-            resp = await self.sessions[engine].request(scope["method"], url, data=body or None, headers=headers,
-                                                       allow_redirects=False)
+            resp = await session.request(scope["method"], url, data=body or None, headers=headers,
+                                         allow_redirects=False)
         except _UPSTREAM_ERRORS as exc:
             self.metrics.upstream_error(engine)
+            self.pools.failed(replica, _failure_reason(exc))
             await _problem(send, 502, "upstream-unavailable", "Engine unavailable",
                            f"engine {engine!r} failed before answering ({_failure_reason(exc)})")
             return

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sidecar.replicas import MAX_REPLICA_NAME, replica_name
 
 
 class SidecarSettings(BaseSettings):
@@ -19,8 +22,28 @@ class SidecarSettings(BaseSettings):
     worker_id: str = Field(default="", description="defaults to HOST:PORT of --listen")
     pool: str = "default"
     labels: dict[str, str] = Field(default_factory=dict)
-    # name -> base URL of that engine variant's OpenAI-compatible server
-    engines: dict[str, str] = Field(default_factory=dict)
+    # What this sidecar is: a worker beside its engines (they share its accelerator), or a gateway in front of
+    # pools of replicas on other hosts (each replica with accelerators of its own); see ``batch_scope``.
+    kind: Literal["worker", "gateway"] = "worker"
+    # engine name -> the base URLs of its replicas, OpenAI-compatible servers; in the environment a URL, a list
+    # of URLs or "URL1,URL2" per name
+    engines: dict[str, list[str]] = Field(default_factory=dict)
+    # Which requests a rule's batch size counts (sidecar/replicas.py): "worker", every request on this worker's
+    # engines (they share one accelerator: the rule before replica pools); "replica", those on the least-loaded
+    # healthy replica of the engine the rule names. "auto": "replica" for a gateway, else "worker".
+    batch_scope: Literal["auto", "worker", "replica"] = "auto"
+    # A replica that fails this many requests (or metric scrapes) in a row, by refusing connections, timing
+    # out or answering 5xx, is ejected, then probed on /health after probe_initial_s, doubling up to probe_max_s.
+    eject_after: int = Field(default=3, ge=1, le=1000)
+    probe_initial_s: float = Field(default=1.0, gt=0, le=3600)
+    probe_max_s: float = Field(default=30.0, gt=0, le=3600)
+    # A replica whose estimated queue (requests waiting in the engine) exceeds this is full: a decision for a
+    # speculative engine whose replicas are all full goes to the plain pool (fallback_reason pool_saturated).
+    # None: no bound, the engine queues.
+    max_queue: int | None = Field(default=None, ge=0, le=1_000_000)
+    # X-Specgate-Affinity keeps a conversation on one replica unless that replica's batch exceeds the
+    # least-loaded one's by more than this.
+    affinity_slack: int = Field(default=4, ge=0, le=1_000_000)
     listen: str = "127.0.0.1:9000"
     # route table: request path or model name -> route, used when neither the
     # X-Specgate-Route header nor metadata.route names one
@@ -55,18 +78,60 @@ class SidecarSettings(BaseSettings):
     # without the per-request metrics flags): for debugging and for tests that compare telemetry with the engine.
     expose_engine_metrics: bool = False
 
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _engine_lists(cls, value: Any) -> Any:
+        """A URL, "URL1,URL2" or a list of either per engine: one list of URLs."""
+        if not isinstance(value, dict):
+            return value
+        out: dict[Any, Any] = {}
+        for name, urls in value.items():
+            items = [urls] if isinstance(urls, str) else urls
+            if isinstance(items, list) and all(isinstance(item, str) for item in items):
+                items = [url.strip() for item in items for url in item.split(",")]
+            out[name] = items
+        return out
+
     @field_validator("engines")
     @classmethod
-    def _engine_urls(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, url in value.items():
-            parts = urlsplit(url)
-            try:
-                parts.port  # noqa: B018 - raises on a port that is not a number in range
-            except ValueError:
-                parts = parts._replace(scheme="")
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-                raise ValueError(f"engine {name!r}: the URL must be http(s)://HOST[:PORT][/PREFIX], got {url!r}")
+    def _engine_urls(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, urls in value.items():
+            if not name.strip():
+                raise ValueError("an engine name must not be empty")
+            if not urls:
+                raise ValueError(f"engine {name!r}: no replica URL")
+            seen: set[str] = set()
+            for url in urls:
+                parts = urlsplit(url)
+                try:
+                    parts.port  # noqa: B018 - raises on a port that is not a number in range
+                except ValueError:
+                    parts = parts._replace(scheme="")
+                if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+                    raise ValueError(f"engine {name!r}: the URL must be http(s)://HOST[:PORT][/PREFIX], got {url!r}")
+                # Replicas are told apart by their names (telemetry, heartbeats): http://H and http://h:80 are one.
+                replica = replica_name(url)
+                if replica in seen:
+                    raise ValueError(f"engine {name!r}: replica {url!r} is listed twice (as {replica})")
+                if len(replica) > MAX_REPLICA_NAME:
+                    raise ValueError(f"engine {name!r}: replica {url!r} makes a name of {len(replica)} characters "
+                                     f"(HOST:PORT/PREFIX), over the {MAX_REPLICA_NAME} telemetry holds")
+                seen.add(replica)
         return value
+
+    @model_validator(mode="after")
+    def _probe_bounds(self) -> SidecarSettings:
+        if self.probe_max_s < self.probe_initial_s:
+            raise ValueError(f"probe_max_s ({self.probe_max_s}) must be at least probe_initial_s "
+                             f"({self.probe_initial_s})")
+        return self
+
+    @property
+    def replica_scope(self) -> bool:
+        """Whether a rule's batch is the replica's (``batch_scope`` resolved)."""
+        if self.batch_scope == "auto":
+            return self.kind == "gateway"
+        return self.batch_scope == "replica"
 
     @model_validator(mode="after")
     def _schema_fits_cache(self) -> SidecarSettings:

@@ -131,14 +131,17 @@ def _utc(ts: float | None) -> str | None:
 class PolicySync:
     """Keeps ``store`` on the bundle the control plane wants this worker to run.
 
-    ``in_flight`` (optional) returns the number of requests in flight, reported
-    in heartbeats. ``session`` may be shared; one is created (and closed) here
-    otherwise. Call :meth:`start` inside the event loop that will run it.
+    ``in_flight`` (optional) returns the number of requests in flight, and
+    ``replicas`` (optional) the state of each engine's replicas
+    (``sidecar.replicas.Pools.report``), both reported in heartbeats.
+    ``session`` may be shared; one is created (and closed) here otherwise.
+    Call :meth:`start` inside the event loop that will run it.
     """
 
     def __init__(self, settings: SidecarSettings, store: PolicyStore, session: aiohttp.ClientSession | None = None,
                  *, in_flight: Callable[[], int] | None = None, backoff_cap_s: float = 5.0,
-                 refused: dict[str, int] | None = None) -> None:
+                 refused: dict[str, int] | None = None,
+                 replicas: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.settings = settings
         self.store = store
         self.worker_id = settings.worker_id or settings.listen
@@ -147,6 +150,7 @@ class PolicySync:
         self._session = session
         self._own_session = session is None
         self._in_flight = in_flight
+        self._replicas = replicas
         self._backoff_cap = backoff_cap_s
         self._state_dir = Path(settings.state_dir)
         self._wait = settings.long_poll_s
@@ -336,7 +340,8 @@ class PolicySync:
                 return
             assert self._session is not None
             body = {"id": self.worker_id, "pool": self.settings.pool, "labels": self.settings.labels,
-                    "engines": self.settings.engines, "sidecar_version": sidecar_version()[:64]}
+                    "kind": self.settings.kind, "engines": registered_engines(self.settings.engines),
+                    "sidecar_version": sidecar_version()[:64]}
             async with self._session.post(f"{self._base}/v1/workers/register", json=body, headers=self._auth,
                                           timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:
                 answer = await resp.read()
@@ -577,6 +582,9 @@ class PolicySync:
         if self._in_flight is not None:
             with contextlib.suppress(Exception):
                 body["in_flight"] = max(0, int(self._in_flight()))
+        if self._replicas is not None:
+            with contextlib.suppress(Exception):
+                body["replicas"] = self._replicas()[:MAX_REPORTED_REPLICAS]
         for _ in (1, 2):
             async with self._session.post(f"{self._base}/v1/workers/{self.worker_id}/heartbeat", json=body,
                                           headers=self._auth,
@@ -598,6 +606,30 @@ class PolicySync:
                 elif expected and current is not None and normalize_etag(expected) == current.etag:
                     self._synced()
             return
+
+
+# What the control plane accepts (controlplane/worker/schemas.py): replicas per heartbeat, characters of an
+# engine's description at registration.
+MAX_REPORTED_REPLICAS = 256
+MAX_ENGINE_DESCRIPTION = 2048
+
+
+def registered_engines(engines: dict[str, list[str]]) -> dict[str, str]:
+    """Each engine's replicas as registration describes them: "URL1,URL2", or a count and the first URLs
+    when the whole list would not fit."""
+    out: dict[str, str] = {}
+    for name, urls in engines.items():
+        text = ",".join(urls)
+        if len(text) > MAX_ENGINE_DESCRIPTION:
+            head = f"{len(urls)} replicas: "
+            kept: list[str] = []
+            for url in urls:
+                if len(head) + len(",".join([*kept, url])) + 4 > MAX_ENGINE_DESCRIPTION:
+                    break
+                kept.append(url)
+            text = head + ",".join(kept) + ",..."
+        out[name] = text
+    return out
 
 
 def _describe(exc: BaseException) -> str:

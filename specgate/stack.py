@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Protocol
 import httpx
 
 from testbed import lifeline
-from testbed.engines import process_start_ticks
+from testbed.engines import process_start_ticks, variant_of
 
 Say = Callable[[str], None]
 
@@ -100,6 +100,45 @@ def choose_engines(spec: str, available_gib: float | None) -> tuple[list[str], s
         raise ValueError("--engines must include base (the plain engine: fallback and kill-switch target)")
     ordered = [n for n in ENGINE_ORDER if n in names]
     return ordered, "as asked"
+
+
+# The pool shape on one machine: the speculative engine with the most to gain, and two plain replicas beside it
+# when memory allows (the issue's testbed: three engines, about 9 GiB).
+POOL_ORDER = ("base", "draft", "base-2")
+
+
+def choose_pool_engines(spec: str, available_gib: float | None) -> tuple[list[str], str]:
+    """The engine instances of the pool shape (``specgate up --shape pools``), and a line saying why.
+
+    ``auto``: base and draft, and a second plain replica (base-2) when memory holds three engines; otherwise
+    a comma-separated list of instances (variants, or replicas of one such as base-2), with a plain one and
+    a speculative one.
+    """
+    spec = spec.strip().lower()
+    if spec == "auto":
+        if available_gib is None:
+            return list(POOL_ORDER), "a speculative replica and two plain ones (available memory unknown)"
+        fit = int((available_gib - HEADROOM_GIB) // ENGINE_RSS_GIB)
+        chosen = list(POOL_ORDER[:max(2, min(len(POOL_ORDER), fit))])
+        return chosen, (f"{available_gib:.1f} GiB available, about {ENGINE_RSS_GIB:g} GiB per engine"
+                        + ("" if fit >= 2 else "; tight, starting one of each anyway"))
+    names = list(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    try:
+        variants = [variant_of(name) for name in names]
+    except ValueError as exc:
+        raise ValueError(f"--engines: {exc}") from None
+    if "base" not in variants or all(v == "base" for v in variants):
+        raise ValueError("--engines of the pool shape needs a plain replica (base, base-2, ...) and a speculative "
+                         "one (draft, ngram, ...)")
+    return names, "as asked"
+
+
+def engine_pools(urls: Mapping[str, str]) -> dict[str, list[str]]:
+    """Engine instances' URLs grouped by variant: the engines a sidecar or gateway routes to."""
+    pools: dict[str, list[str]] = {}
+    for instance, url in urls.items():
+        pools.setdefault(variant_of(instance), []).append(url)
+    return pools
 
 
 def fit_policy(data: Mapping[str, Any], running: Collection[str]) -> dict[str, Any]:
@@ -351,12 +390,14 @@ def public_key(api_url: str) -> str:
 
 
 def sidecar_command(*, api_url: str, engine_urls: Mapping[str, str], listen: str, pool: str,
-                    state_dir: Path, bundle_key: str) -> list[str]:
-    """The sidecar's command line; its worker key goes in its environment (:func:`sidecar_env`)."""
-    cmd = [*cli_command(), "sidecar", "--control-plane", api_url, "--listen", listen,
+                    state_dir: Path, bundle_key: str, kind: str = "worker") -> list[str]:
+    """The sidecar's command line (``kind`` gateway: in front of replica pools); ``engine_urls`` by engine
+    instance, replicas of one variant (base, base-2) forming its pool. Its worker key goes in its
+    environment (:func:`sidecar_env`)."""
+    cmd = [*cli_command(), "sidecar", "--control-plane", api_url, "--listen", listen, "--kind", kind,
            "--pool", pool, "--state-dir", str(state_dir), "--public-key", bundle_key, "--log-level", "warning"]
-    for name, url in engine_urls.items():
-        cmd += ["--engine", f"{name}={url}"]
+    for name, urls in engine_pools(engine_urls).items():
+        cmd += ["--engine", f"{name}={','.join(urls)}"]
     return cmd
 
 

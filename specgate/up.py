@@ -186,7 +186,11 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
                                    "ngram as memory allows, ~3 GiB each) or a list such as base,draft"),
        no_engines: bool = typer.Option(False, "--no-engines", help="light mode: only the control plane and "
                                        "the dashboard (no engines, sidecar or traffic)"),
-       engine_port: int = typer.Option(8100, help="port of the base engine; ngram +1, draft +2"),
+       engine_port: int = typer.Option(8100, help="port of the base engine; ngram +1, draft +2; a second "
+                                       "replica (base-2) +3"),
+       shape: str = typer.Option("twin", help="twin: one worker sidecar in front of its engines (twin copies "
+                                 "of the weights); pools: a gateway in front of replica pools (a speculative "
+                                 "replica and plain ones, one copy of the weights each)"),
        sidecar_port: int = typer.Option(9000, help="port of the sidecar (OpenAI-compatible endpoint)"),
        traffic: bool = typer.Option(True, help="run the traffic generator against the sidecar"),
        engine_starter: str = typer.Option("", hidden=True, help="MODULE:FACTORY of a stand-in engine starter "
@@ -195,9 +199,13 @@ def up(data_dir: Path = typer.Option(Path(".specgate"), help="where the SQLite d
     data_dir.mkdir(parents=True, exist_ok=True)
     url = os.environ.get("SPECGATE_DATABASE_URL") or f"sqlite:///{(data_dir / 'specgate.db').resolve()}"
     settings = ControlPlaneSettings(database_url=url)
+    if shape not in ("twin", "pools"):
+        typer.secho(f"error: --shape must be twin or pools, got {shape!r}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
     _free_or_exit(host, port, "control plane", "--port")
-    variants, why = ([], "") if no_engines else _choose_engines_or_exit(engines, engine_port, host, sidecar_port)
-    plan = _Plan(data_dir=data_dir, database_url=url, host=host, dashboard_port=dashboard_port,
+    variants, why = ([], "") if no_engines else _choose_engines_or_exit(engines, engine_port, host, sidecar_port,
+                                                                          shape)
+    plan = _Plan(data_dir=data_dir, database_url=url, host=host, dashboard_port=dashboard_port, shape=shape,
                  with_engines=not no_engines, variants=variants, why=why, engine_port=engine_port,
                  sidecar_port=sidecar_port, traffic=traffic, engine_starter=engine_starter,
                  base=f"http://{host}:{port}")
@@ -237,6 +245,7 @@ class _Plan:
     database_url: str
     host: str
     dashboard_port: int
+    shape: str  # twin or pools
     with_engines: bool
     variants: list[str]  # engine variants to start (none without engines)
     why: str  # why these variants
@@ -249,10 +258,12 @@ class _Plan:
 
 # --- start-up steps -----------------------------------------------------------------------------------
 
-def _choose_engines_or_exit(engines: str, engine_port: int, host: str, sidecar_port: int) -> tuple[list[str], str]:
-    """The engine variants to start and why; exits (2) on an unknown variant or a port already in use."""
+def _choose_engines_or_exit(engines: str, engine_port: int, host: str, sidecar_port: int,
+                            shape: str = "twin") -> tuple[list[str], str]:
+    """The engine instances to start and why; exits (2) on an unknown one or a port already in use."""
+    choose = devstack.choose_pool_engines if shape == "pools" else devstack.choose_engines
     try:
-        variants, why = devstack.choose_engines(engines, devstack.mem_available_gib())
+        variants, why = choose(engines, devstack.mem_available_gib())
     except ValueError as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None
@@ -311,18 +322,20 @@ def _start_testbed(plan: _Plan, stack: devstack.Stack, token: str,
     starter = devstack.load_engine_starter(plan.engine_starter, data_dir / "engines")
     t0 = time.monotonic()
     urls = stack.start_engines(starter, plan.variants, plan.engine_port)
-    policy_line = _load_testbed_policy(base, token, list(urls))
+    policy_line = _load_testbed_policy(base, token, list(devstack.engine_pools(urls)))
     listen = f"{plan.host}:{plan.sidecar_port}"
     sidecar_url = f"http://{listen}"
+    kind = "gateway" if plan.shape == "pools" else "worker"
     child = stack.add(devstack.spawn("sidecar", devstack.sidecar_command(
         api_url=base, engine_urls=urls, listen=listen, pool=devstack.TESTBED_POOL,
-        state_dir=data_dir / "sidecar", bundle_key=devstack.public_key(base)), logs / "sidecar.log",
+        state_dir=data_dir / "sidecar", bundle_key=devstack.public_key(base), kind=kind), logs / "sidecar.log",
         env=devstack.sidecar_env(worker_token)))
     devstack.wait_sidecar(child, sidecar_url, base, token, worker_id=listen)
-    _say(f"sidecar {sidecar_url} registered with the control plane (pool {devstack.TESTBED_POOL})")
+    what = "gateway" if kind == "gateway" else "sidecar"
+    _say(f"{what} {sidecar_url} registered with the control plane (pool {devstack.TESTBED_POOL})")
     lines = [(f"engine {name}", url) for name, url in urls.items()]
-    lines.append(("sidecar", f"{sidecar_url}/v1  (OpenAI-compatible; worker {listen}, pool "
-                             f"{devstack.TESTBED_POOL})"))
+    lines.append((what, f"{sidecar_url}/v1  (OpenAI-compatible; {kind} {listen}, pool "
+                        f"{devstack.TESTBED_POOL})"))
     if plan.traffic:
         stack.add(devstack.spawn("loadgen", devstack.loadgen_command(
             sidecar_url, corpus_seed=devstack.corpus_seed(), seed=int(time.time()) % 100_000),

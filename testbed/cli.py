@@ -14,16 +14,19 @@ from testbed import corpus, engines, env, models, sweep
 testbed_app = typer.Typer(help="Real vLLM (CPU build) engines with tiny trained models, for tests and demos.",
                           no_args_is_help=True)
 
-VariantsArg = Annotated[list[str] | None, typer.Argument(help=f"engine variants ({', '.join(engines.VARIANTS)}); "
-                                                              "default: all")]
-PortOpt = Annotated[int, typer.Option("--base-port", help="port of `base`; ngram +1, draft +2")]
+VariantsArg = Annotated[list[str] | None, typer.Argument(help=f"engine variants ({', '.join(engines.VARIANTS)}), "
+                                                              "or replicas of one (base-2, draft-3); default: all")]
+PortOpt = Annotated[int, typer.Option("--base-port", help="port of `base`; ngram +1, draft +2; "
+                                                          "replica -N: +3 per replica after the first")]
 
 
 def _variants(names: list[str] | None) -> list[str]:
     chosen = names or list(engines.VARIANTS)
-    unknown = [n for n in chosen if n not in engines.VARIANTS]
-    if unknown:
-        raise typer.BadParameter(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(engines.VARIANTS)}")
+    for name in chosen:
+        try:
+            engines.variant_of(name)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     return chosen
 
 

@@ -41,7 +41,28 @@ def state_dir_default() -> Path:
     return Path(explicit) if explicit else REPO_ROOT / ".specgate" / "testbed"
 
 
+MAX_REPLICAS = 3  # ports stay within base_port + 8: free_base_port steps by 10
+
+
+def variant_of(instance: str) -> str:
+    """The variant an engine instance runs: ``base`` for ``base`` and for ``base-2``, a second plain replica
+    (replica pools run several instances of one variant, each a server of its own)."""
+    variant, sep, number = instance.partition("-")
+    if variant not in VARIANTS or (sep and not (number.isdigit() and 2 <= int(number) <= MAX_REPLICAS)):
+        raise ValueError(f"unknown engine variant {instance!r}; known: {', '.join(VARIANTS)}, each optionally with a "
+                         f"replica number -2 to -{MAX_REPLICAS} (e.g. base-2)")
+    return variant
+
+
+def replica_number(instance: str) -> int:
+    """1 for ``base``, 2 for ``base-2``."""
+    variant_of(instance)
+    _, sep, number = instance.partition("-")
+    return int(number) if sep else 1
+
+
 def speculative_config(variant: str, models: ModelPaths) -> dict[str, Any] | None:
+    variant = variant_of(variant)
     if variant == "base":
         return None
     if variant == "ngram":
@@ -65,12 +86,11 @@ def server_args(variant: str, port: int, models: ModelPaths, *, host: str = "127
 
 
 def ports_for(variants: Iterable[str], base_port: int) -> dict[str, int]:
-    """A fixed port per variant (base_port + its index in VARIANTS): the same variant, the same URL."""
+    """A fixed port per engine instance: base_port + its variant's index in VARIANTS, plus len(VARIANTS) per
+    replica after the first (base-2 is base_port + 3): the same instance, the same URL."""
     out = {}
     for name in variants:
-        if name not in VARIANTS:
-            raise ValueError(f"unknown engine variant {name!r}; known: {', '.join(VARIANTS)}")
-        out[name] = base_port + VARIANTS.index(name)
+        out[name] = base_port + VARIANTS.index(variant_of(name)) + len(VARIANTS) * (replica_number(name) - 1)
     return out
 
 
@@ -200,7 +220,7 @@ def _compile_cache(variant: str) -> dict[str, str]:
 
 def cpu_binding(variant: str, cpus: Sequence[int] | None = None) -> dict[str, str]:
     """The cores vLLM binds a variant's model worker to: the plain engine on the first half of this process's
-    CPUs, the speculative ones on the second half.
+    CPUs, the speculative ones on the second half; a second replica of either on the other half.
 
     Left to itself every vLLM CPU engine binds its worker to the same first core (``core ids=[0]``), so two
     engines serving one worker's traffic take turns on one core while another idles (the recommender
@@ -214,7 +234,10 @@ def cpu_binding(variant: str, cpus: Sequence[int] | None = None) -> dict[str, st
     if len(allowed) < 2:
         return {}
     half = len(allowed) // 2
-    chosen = allowed[:half] if variant == "base" else allowed[half:]
+    # Replicas of one variant alternate halves (base-2 on the second, draft-2 on the first), so that the two
+    # servers of a pool do not take turns on the same cores.
+    first = (variant_of(variant) == "base") == (replica_number(variant) % 2 == 1)
+    chosen = allowed[:half] if first else allowed[half:]
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in chosen)}
 
 

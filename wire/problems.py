@@ -77,6 +77,7 @@ class ProblemCode(StrEnum):
     before_from = "before_from"
     empty_window = "empty_window"
     worker_alone = "worker_alone"
+    replica_alone = "replica_alone"
     invalid_cursor = "invalid_cursor"
     # preconditions (If-Match)
     malformed = "malformed"

@@ -54,6 +54,9 @@ class FallbackReason(StrEnum):
     connect_timeout = "connect_timeout"
     read_timeout = "read_timeout"  # no byte from the engine for the read timeout
     upstream_disconnected = "upstream_disconnected"  # closed early, or not HTTP
+    # every replica of the decided engine's pool is ejected, or queues beyond the sidecar's bound
+    pool_unavailable = "pool_unavailable"
+    pool_saturated = "pool_saturated"
 
 
 _UPSTREAM_STATUS = "upstream_5[0-9][0-9]"
@@ -97,6 +100,9 @@ class TelemetryEvent(BaseModel):
     rule: str = Field(max_length=63, pattern=NO_NUL)
     engine: str = Field(max_length=63, pattern=NO_NUL, description="engine the request finally ran on")
     decided_engine: str = Field(max_length=63, pattern=NO_NUL, description="engine the decision chose")
+    replica: str | None = Field(default=None, max_length=255, pattern=NO_NUL,
+                                description="the replica of ``engine`` that served it (HOST:PORT[/PREFIX]); "
+                                "null from sidecars before replica pools, or when no replica was tried")
     speculate: bool
     num_speculative_tokens: int = Field(ge=0, le=16)
     explored: bool

@@ -55,12 +55,16 @@ def _window(start: str | None, end: str | None) -> tuple[dt.datetime | None, dt.
     return a, b
 
 
+_RAW = (SummaryGroup.worker, SummaryGroup.replica)
+
+
 def _group_by(values: list[str]) -> list[SummaryGroup]:
     out = parse_group_by(values, SummaryGroup)
-    if SummaryGroup.worker in out and len(out) > 1:
-        raise ValidationFailed("group_by=worker stands alone", errors=[
-            {"path": "group_by", "in": "query", "code": "worker_alone",
-             "message": "per-worker rows come from the raw events and are not split further"}])
+    for raw in _RAW:
+        if raw in out and len(out) > 1:
+            raise ValidationFailed(f"group_by={raw.value} stands alone", errors=[
+                {"path": "group_by", "in": "query", "code": f"{raw.value}_alone",
+                 "message": f"per-{raw.value} rows come from the raw events and are not split further"}])
     return out
 
 
@@ -69,7 +73,8 @@ def _group_by(values: list[str]) -> list[SummaryGroup]:
             description="Requests, acceptance, mean acceptance length, TTFT/ITL/e2e p50 and p95, retry, fallback, "
                         "error and structured-output validity rates, per any of route, engine, batch_bucket, "
                         "policy, revision, explored (and time window), from the rollups. group_by=worker gives "
-                        "per-worker means from the raw events instead.")
+                        "per-worker means from the raw events instead, group_by=replica per engine and replica "
+                        "(filtered by policy, route and engine).")
 def summary(session: SessionDep, _: Reader, policy: Text = None, revision: Text = None, route: Text = None,
             engine: Text = None, explored: bool | None = None, start: From = None, end: To = None,
             group_by: Annotated[list[str], Query(max_length=20, description="repeat, or comma-separate")] = [],  # noqa: B006
@@ -81,6 +86,11 @@ def summary(session: SessionDep, _: Reader, policy: Text = None, revision: Text 
         workers = service.worker_summaries(session, policy=policy, route=route, start=a, end=b, limit=limit)
         return SummaryReport(group_by=["worker"], window=None, rows=[],
                              workers=workers, truncated=len(workers) >= limit)
+    if groups == [SummaryGroup.replica]:
+        replicas = service.worker_summaries(session, policy=policy, route=route, start=a, end=b, limit=limit,
+                                            by_replica=True, engine=engine)
+        return SummaryReport(group_by=["replica"], window=None, rows=[],
+                             replicas=replicas, truncated=len(replicas) >= limit)
     flt = RollupFilter(policy=policy, revision=revision, route=route, engine=engine, explored=explored,
                        start=a, end=b)
     rows, truncated = service.summaries(session, flt, [g.value for g in groups],

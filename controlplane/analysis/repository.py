@@ -2,7 +2,7 @@
 
 Latency figures come from the telemetry rollups (``controlplane.telemetry``);
 the raw events are read here only where a question needs what rollups do not
-keep: the request shapes a what-if replays, and per-worker totals.
+keep: the request shapes a what-if replays, and per-worker and per-replica totals.
 """
 
 from __future__ import annotations
@@ -115,17 +115,23 @@ class AnalysisRepository:
         return out
 
     def worker_totals(self, *, policy: str | None, route: str | None, start: dt.datetime | None,
-                      end: dt.datetime | None, limit: int) -> list[dict[str, Any]]:
-        """Per-worker counters from the raw events (rollups have no worker): counts, sums and means."""
+                      end: dt.datetime | None, limit: int, by_replica: bool = False,
+                      engine: str | None = None) -> list[dict[str, Any]]:
+        """Per-worker counters from the raw events (rollups have no worker): counts, sums and means.
+
+        With ``by_replica``, per engine and replica instead (rollups have no replica either); events
+        that name no replica (older sidecars) form their engine's group with replica None.
+        """
+        keys: list[Any] = [E.engine, E.replica] if by_replica else [E.worker_id]
         conds = []
-        for column, value in ((E.policy, policy), (E.route, route)):
+        for column, value in ((E.policy, policy), (E.route, route), (E.engine, engine)):
             if value is not None:
                 conds.append(column == value)
         if start is not None:
             conds.append(E.time >= start)
         if end is not None:
             conds.append(E.time < end)
-        query = (select(E.worker_id,
+        query = (select(*keys,
                         func.count().label("requests"),
                         func.sum(case((E.status != "ok", 1), else_=0)).label("errors"),
                         func.sum(case((E.status == "client_disconnect", 1), else_=0)).label("client_disconnects"),
@@ -138,5 +144,5 @@ class AnalysisRepository:
                         cast(func.avg(E.itl_ms), Float).label("itl_ms_mean"),
                         cast(func.avg(E.ttft_ms), Float).label("ttft_ms_mean"),
                         cast(func.avg(E.e2e_ms), Float).label("e2e_ms_mean"))
-                 .where(*conds).group_by(E.worker_id).order_by(E.worker_id).limit(limit))
+                 .where(*conds).group_by(*keys).order_by(*keys).limit(limit))
         return [dict(row._mapping) for row in self.session.execute(query)]

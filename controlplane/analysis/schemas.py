@@ -20,6 +20,7 @@ class SummaryGroup(StrEnum):
     batch_bucket = "batch_bucket"
     explored = "explored"
     worker = "worker"
+    replica = "replica"
 
 
 class Window(StrEnum):
@@ -73,6 +74,9 @@ class SummaryReport(BaseModel):
     workers: list[WorkerRow] | None = Field(
         default=None, description="with group_by=worker: per-worker means from the raw events of the window "
                                   "(rollups have no worker; no quantiles)")
+    replicas: list[WorkerRow] | None = Field(
+        default=None, description="with group_by=replica: per engine and replica (key: engine, replica; replica "
+                                  "null for events that name none), means from the raw events of the window")
     truncated: bool
 
 

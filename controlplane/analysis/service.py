@@ -99,14 +99,19 @@ def summaries(session: Session, flt: RollupFilter, group_by: Sequence[str], wind
 
 
 def worker_summaries(session: Session, *, policy: str | None, route: str | None, start: dt.datetime | None,
-                     end: dt.datetime | None, limit: int) -> list[dict[str, Any]]:
-    rows = AnalysisRepository(session).worker_totals(policy=policy, route=route, start=start, end=end, limit=limit)
+                     end: dt.datetime | None, limit: int, by_replica: bool = False,
+                     engine: str | None = None) -> list[dict[str, Any]]:
+    """Per-worker rows (key ``worker_id``), or with ``by_replica`` per engine and replica (key ``engine``,
+    ``replica``), from the raw events."""
+    rows = AnalysisRepository(session).worker_totals(policy=policy, route=route, start=start, end=end, limit=limit,
+                                                     by_replica=by_replica, engine=engine)
     out = []
     for r in rows:
+        key = {"engine": r["engine"], "replica": r["replica"]} if by_replica else {"worker_id": r["worker_id"]}
         n = int(r["requests"])
         drafted = int(r["draft_tokens"] or 0)
         checked = int(r["structured_checked"] or 0)
-        out.append({"key": {"worker_id": r["worker_id"]}, "requests": n,
+        out.append({"key": key, "requests": n,
                     "acceptance_rate": int(r["accepted_tokens"] or 0) / drafted if drafted else None,
                     "retry_rate": int(r["retries"] or 0) / n, "fallback_rate": int(r["fallbacks"] or 0) / n,
                     "error_rate": int(r["errors"] or 0) / n,

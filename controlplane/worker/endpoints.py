@@ -15,6 +15,7 @@ from controlplane.worker.schemas import (
     FleetRead,
     HeartbeatAck,
     WorkerHeartbeat,
+    WorkerKind,
     WorkerPage,
     WorkerRead,
     WorkerRegister,
@@ -61,11 +62,12 @@ def heartbeat(session: SessionDep, who: WorkerKey,
 @router.get("/workers", response_model=WorkerPage, responses=INVALID_RESPONSE)
 def list_workers(request: Request, session: SessionDep, _: Reader,
                  pool: str | None = Query(None, max_length=128, pattern=NO_CONTROL),
+                 kind: WorkerKind | None = Query(None, description="only workers or only gateways"),
                  stale: bool | None = Query(None, description="only stale (true) or live (false) workers"),
                  cursor: str | None = Query(None, max_length=128, pattern=NO_CONTROL,
                                             description="next_cursor of the last page"),
                  limit: int = Query(100, ge=1, le=1000)) -> WorkerPage:
-    return service.list_workers(session, pool=pool, stale=stale, cursor=cursor, limit=limit,
+    return service.list_workers(session, pool=pool, kind=kind, stale=stale, cursor=cursor, limit=limit,
                                 stale_after_s=request.app.state.settings.worker_stale_after_s)
 
 

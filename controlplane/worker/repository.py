@@ -1,4 +1,4 @@
-"""Every SQL statement of workers: by id, pages filtered by pool and staleness, all of them."""
+"""Every SQL statement of workers: by id, pages filtered by pool, kind and staleness, all of them."""
 
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ class WorkerRepository:
         return worker
 
     def page(self, *, pool: str | None, stale: bool | None, stale_before: dt.datetime,
-             after_id: str | None, limit: int) -> Sequence[Worker]:
+             after_id: str | None, limit: int, kind: str | None = None) -> Sequence[Worker]:
         """Ordered by id; ``after_id`` is the keyset cursor from the previous page."""
         query = select(Worker).order_by(Worker.id).limit(limit)
         if pool is not None:
             query = query.where(Worker.pool == pool)
+        if kind is not None:
+            query = query.where(Worker.kind == kind)
         if stale is True:
             query = query.where(Worker.last_heartbeat_at < stale_before)
         elif stale is False:

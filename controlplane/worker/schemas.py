@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic_core import PydanticCustomError
 
 from controlplane.distribution.service import normalize_etag
 
@@ -21,6 +22,17 @@ LabelValue = Annotated[str, StringConstraints(max_length=256, pattern=NO_CONTROL
 EngineName = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=NO_CONTROL)]
 EngineDescription = Annotated[str, StringConstraints(max_length=2048, pattern=NO_NUL)]
 Short = Annotated[str, StringConstraints(max_length=64, pattern=NO_CONTROL)]
+# HOST:PORT[/PREFIX] as the sidecar names a replica; shown to people, so no control characters.
+ReplicaAddress = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=NO_CONTROL)]
+
+WorkerKind = Literal["worker", "gateway"]
+ReplicaState = Literal["healthy", "ejected"]
+MAX_REPLICAS = 256
+# Replica reports are stored as JSON and summed for the fleet: the same bounds as telemetry's counters
+# (32-bit integers, finite floats up to 1e12), so no report can overflow a reader. Strict: JSON false is
+# not a count, nor "3" a gauge.
+Count = Annotated[int, Field(ge=0, le=2**31 - 1, strict=True)]
+Gauge = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False, strict=True)]
 
 
 class WorkerRegister(BaseModel):
@@ -33,6 +45,26 @@ class WorkerRegister(BaseModel):
     engines: dict[EngineName, EngineDescription] = Field(
         default_factory=dict, max_length=64, description="engine variants offered: name -> url or text")
     sidecar_version: Short | None = None
+    kind: WorkerKind = Field("worker", description="worker: a sidecar beside its engines; gateway: a sidecar "
+                             "in front of pools of engine replicas on other hosts")
+
+
+class ReplicaReport(BaseModel):
+    """One replica of one engine, as the sidecar in front of it sees it now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineName = Field(description="the engine name the replica serves")
+    replica: ReplicaAddress = Field(description="the replica: HOST:PORT[/PREFIX]")
+    state: ReplicaState = Field(description="healthy: the sidecar sends it requests; ejected: it does not, "
+                                            "until a probe brings it back")
+    in_flight: Count = Field(0, description="requests the sidecar has in flight on it")
+    running: Gauge | None = Field(None, description="requests the engine reports running; null when unknown")
+    waiting: Gauge | None = Field(None, description="requests the engine reports queued; null when unknown")
+    consecutive_failures: Count = 0
+    ejections: Count = Field(0, description="times it was ejected since the sidecar started")
+    returns: Count = Field(0, description="times it came back after an ejection")
+    next_probe_in_s: Gauge | None = Field(None, description="while ejected: seconds until the next probe")
 
 
 class WorkerHeartbeat(BaseModel):
@@ -43,12 +75,30 @@ class WorkerHeartbeat(BaseModel):
     # Strict: JSON false is not a count, though Python would read it as 0.
     in_flight: int | None = Field(None, ge=0, strict=True,
                                   description="requests in flight (informational, not stored)")
+    replicas: list[ReplicaReport] | None = Field(
+        None, max_length=MAX_REPLICAS,
+        description="every replica the sidecar routes to, now; null or left out: unchanged since the last "
+                    "report; []: none")
 
     @field_validator("active_etag", mode="before")
     @classmethod
     def _bare_etag(cls, value: object) -> object:
         # Stored bare, as the expected ETag is, so the two compare; checked for length afterwards.
         return normalize_etag(value) if isinstance(value, str) else value
+
+    @field_validator("replicas")
+    @classmethod
+    def _one_report_per_replica(cls, value: list[ReplicaReport] | None) -> list[ReplicaReport] | None:
+        # Two reports of one replica would be counted twice in the fleet, and one of them would be wrong.
+        seen: set[tuple[str, str]] = set()
+        for i, report in enumerate(value or ()):
+            key = (report.engine, report.replica)
+            if key in seen:
+                raise PydanticCustomError("duplicate_key", "replica '{replica}' of engine '{engine}' is reported "
+                                          "twice (again at index {index})",
+                                          {"replica": report.replica, "engine": report.engine, "index": i})
+            seen.add(key)
+        return value
 
 
 class HeartbeatAck(BaseModel):
@@ -57,8 +107,22 @@ class HeartbeatAck(BaseModel):
     converged: bool = Field(description="whether the reported ETag is the expected one")
 
 
+class ReplicaRead(BaseModel):
+    engine: str
+    replica: str
+    state: ReplicaState
+    in_flight: int
+    running: float | None
+    waiting: float | None
+    consecutive_failures: int
+    ejections: int
+    returns: int
+    next_probe_in_s: float | None = Field(description="null unless ejected")
+
+
 class WorkerRead(BaseModel):
     id: str
+    kind: WorkerKind
     pool: str
     labels: dict[str, str]
     engines: dict[str, str]
@@ -70,6 +134,10 @@ class WorkerRead(BaseModel):
     expected_etag: str | None
     stale: bool = Field(description="no heartbeat for longer than SPECGATE_WORKER_STALE_AFTER_S")
     converged: bool = Field(description="the reported ETag is the expected one")
+    replicas: list[ReplicaRead] = Field(description="the replicas it last reported, by engine and replica; "
+                                                    "[] when it never reported any")
+    replicas_reported_at: dt.datetime | None = Field(description="when it last reported its replicas; null "
+                                                                 "when it never did")
 
 
 class WorkerPage(BaseModel):
@@ -94,9 +162,20 @@ class PoolFleet(FleetGroup):
     pool: str
 
 
+class ReplicaCounts(BaseModel):
+    reporters: int = Field(description="non-stale workers and gateways whose replica report is fresh (within "
+                                       "stale_after_s)")
+    total: int = Field(description="replicas those reporters route to")
+    healthy: int
+    ejected: int
+
+
 class FleetRead(BaseModel):
     generation: int
     kill_switch: bool
     stale_after_s: float
-    overall: FleetGroup
-    pools: list[PoolFleet]
+    overall: FleetGroup = Field(description="sidecars of kind worker only (gateways are in `gateways`)")
+    pools: list[PoolFleet] = Field(description="per pool, sidecars of kind worker only")
+    gateways: FleetGroup = Field(description="sidecars of kind gateway, counted as `overall` counts workers")
+    gateway_pools: list[PoolFleet] = Field(description="per pool, sidecars of kind gateway")
+    replicas: ReplicaCounts = Field(description="engine replicas reported by workers and gateways alike")

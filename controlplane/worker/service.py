@@ -22,8 +22,12 @@ from controlplane.worker.schemas import (
     FleetRead,
     HeartbeatAck,
     PoolFleet,
+    ReplicaCounts,
+    ReplicaRead,
+    ReplicaReport,
     RevisionCount,
     WorkerHeartbeat,
+    WorkerKind,
     WorkerPage,
     WorkerRead,
     WorkerRegister,
@@ -43,7 +47,8 @@ class Registration:
 
 
 def _registered(worker: Worker) -> dict[str, Any]:
-    return {"pool": worker.pool, "labels": dict(worker.labels or {}), "engines": dict(worker.engines or {})}
+    return {"pool": worker.pool, "labels": dict(worker.labels or {}), "engines": dict(worker.engines or {}),
+            "kind": worker.kind}
 
 
 def get_worker(session: Session, worker_id: str) -> Worker:
@@ -68,11 +73,11 @@ def register(session: Session, body: WorkerRegister, *, who: Principal) -> Regis
     now = utcnow()
     actor = who.actor
     labels, engines = dict(body.labels), dict(body.engines)
-    wanted: dict[str, Any] = {"pool": body.pool, "labels": labels, "engines": engines}
+    wanted: dict[str, Any] = {"pool": body.pool, "labels": labels, "engines": engines, "kind": body.kind}
     worker = repo.get(body.id)
     authorize_registration(session, who, body.id, body.pool, None if worker is None else worker.pool)
     if worker is None:
-        worker = repo.add(Worker(id=body.id, pool=body.pool, labels=labels, engines=engines,
+        worker = repo.add(Worker(id=body.id, kind=body.kind, pool=body.pool, labels=labels, engines=engines,
                                  sidecar_version=body.sidecar_version, registered_at=now,
                                  last_heartbeat_at=now))
         record(session, actor=actor, action="worker.register", target_type="worker", target_id=worker.id,
@@ -86,7 +91,7 @@ def register(session: Session, body: WorkerRegister, *, who: Principal) -> Regis
     worker.last_heartbeat_at = now
     generation = None
     if before != wanted:
-        worker.pool, worker.labels, worker.engines = body.pool, labels, engines
+        worker.pool, worker.labels, worker.engines, worker.kind = body.pool, labels, engines, body.kind
         record(session, actor=actor, action="worker.register", target_type="worker", target_id=worker.id,
                before=before, after={**wanted, "sidecar_version": body.sidecar_version})
         if (before["pool"], before["labels"]) != (body.pool, labels):
@@ -108,8 +113,26 @@ def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: P
         worker.active_revision_id = body.active_revision
     if "active_etag" in body.model_fields_set:
         worker.active_etag = body.active_etag or None
+    # Unlike the fields above, null keeps the replicas too: a sidecar that has nothing new to say about
+    # them (or predates them) must not wipe what another heartbeat reported; [] says there are none.
+    if body.replicas is not None:
+        worker.replicas = [_stored(report) for report in body.replicas]
+        worker.replicas_reported_at = worker.last_heartbeat_at
     expected = load_view(session, [worker.pool]).expected_etag(worker)
     return HeartbeatAck(expected_etag=expected, converged=worker.active_etag == expected)
+
+
+def _stored(report: ReplicaReport) -> dict[str, Any]:
+    stored = report.model_dump(mode="json")
+    if report.state != "ejected":
+        # A probe is only scheduled for an ejected replica; a countdown beside "healthy" would only mislead.
+        stored["next_probe_in_s"] = None
+    return stored
+
+
+def _replicas(worker: Worker) -> list[ReplicaRead]:
+    reports = [ReplicaRead.model_validate(item) for item in worker.replicas or ()]
+    return sorted(reports, key=lambda r: (r.engine, r.replica))
 
 
 def _stale_before(stale_after_s: float) -> dt.datetime:
@@ -119,12 +142,18 @@ def _stale_before(stale_after_s: float) -> dt.datetime:
 def describe(worker: Worker, view: DistributionView, stale_before: dt.datetime) -> WorkerRead:
     expected = view.expected_etag(worker)
     return WorkerRead(
-        id=worker.id, pool=worker.pool, labels=dict(worker.labels or {}), engines=dict(worker.engines or {}),
+        id=worker.id, kind=_kind(worker.kind), pool=worker.pool, labels=dict(worker.labels or {}),
+        engines=dict(worker.engines or {}),
         sidecar_version=worker.sidecar_version, registered_at=worker.registered_at,
         last_heartbeat_at=worker.last_heartbeat_at, active_revision=worker.active_revision_id,
         active_etag=worker.active_etag, expected_etag=expected,
         stale=worker.last_heartbeat_at < stale_before, converged=worker.active_etag == expected,
+        replicas=_replicas(worker), replicas_reported_at=worker.replicas_reported_at,
     )
+
+
+def _kind(value: str) -> WorkerKind:
+    return "gateway" if value == "gateway" else "worker"
 
 
 def describe_one(session: Session, worker: Worker, stale_after_s: float) -> WorkerRead:
@@ -132,9 +161,9 @@ def describe_one(session: Session, worker: Worker, stale_after_s: float) -> Work
 
 
 def list_workers(session: Session, *, pool: str | None, stale: bool | None, cursor: str | None,
-                 limit: int, stale_after_s: float) -> WorkerPage:
+                 limit: int, stale_after_s: float, kind: WorkerKind | None = None) -> WorkerPage:
     stale_before = _stale_before(stale_after_s)
-    rows = WorkerRepository(session).page(pool=pool, stale=stale, stale_before=stale_before,
+    rows = WorkerRepository(session).page(pool=pool, kind=kind, stale=stale, stale_before=stale_before,
                                           after_id=cursor, limit=limit)
     view = load_view(session, {w.pool for w in rows})
     items = [describe(w, view, stale_before) for w in rows]
@@ -163,16 +192,44 @@ class _Tally:
                 "revisions": [RevisionCount(revision=r, workers=n) for r, n in revisions]}
 
 
+class _ReplicaTally:
+    def __init__(self) -> None:
+        self.reporters = self.total = self.healthy = self.ejected = 0
+
+    def add(self, read: WorkerRead, stale_before: dt.datetime) -> None:
+        # A report older than the staleness bound says nothing about now: a worker that stopped reporting
+        # (an older sidecar after a downgrade) still heartbeats, and its last replicas would count forever.
+        if read.stale or read.replicas_reported_at is None or read.replicas_reported_at < stale_before:
+            return
+        self.reporters += 1
+        self.total += len(read.replicas)
+        self.ejected += sum(r.state == "ejected" for r in read.replicas)
+        self.healthy += sum(r.state == "healthy" for r in read.replicas)
+
+    def counts(self) -> ReplicaCounts:
+        return ReplicaCounts(reporters=self.reporters, total=self.total, healthy=self.healthy, ejected=self.ejected)
+
+
 def fleet(session: Session, *, stale_after_s: float) -> FleetRead:
+    """The fleet by kind: ``overall`` and ``pools`` count workers only, as they did before gateways
+    existed, so a client that knows no gateways reads the same numbers; gateways are counted alike beside
+    them, and replicas over both."""
     stale_before = _stale_before(stale_after_s)
     workers = WorkerRepository(session).all()
     view = load_view(session)
-    overall = _Tally()
-    pools: dict[str, _Tally] = {}
+    overall = {"worker": _Tally(), "gateway": _Tally()}
+    pools: dict[str, dict[str, _Tally]] = {"worker": {}, "gateway": {}}
+    replicas = _ReplicaTally()
     for worker in workers:
         read = describe(worker, view, stale_before)
-        overall.add(read)
-        pools.setdefault(worker.pool, _Tally()).add(read)
+        overall[read.kind].add(read)
+        pools[read.kind].setdefault(worker.pool, _Tally()).add(read)
+        replicas.add(read, stale_before)
+
+    def per_pool(kind: str) -> list[PoolFleet]:
+        return [PoolFleet(pool=name, **tally.group()) for name, tally in sorted(pools[kind].items())]
+
     return FleetRead(generation=view.generation, kill_switch=view.kill_switch, stale_after_s=stale_after_s,
-                     overall=FleetGroup(**overall.group()),
-                     pools=[PoolFleet(pool=name, **tally.group()) for name, tally in sorted(pools.items())])
+                     overall=FleetGroup(**overall["worker"].group()), pools=per_pool("worker"),
+                     gateways=FleetGroup(**overall["gateway"].group()), gateway_pools=per_pool("gateway"),
+                     replicas=replicas.counts())

@@ -11,12 +11,86 @@ import pandas as pd
 import streamlit as st
 
 from apiclient import calls
+from apiclient.models import Fleet, Worker
 from dashboard import charts, ui
 from dashboard.views.common import open_rollouts_of
+
+_SHOWN = 200  # workers and gateways listed, in one read
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
+
+
+def _state(w: Worker) -> str:
+    return "stale" if w.stale else ("converged" if w.converged else "converging")
+
+
+def _sidecars(items: list[Worker], name: str) -> pd.DataFrame:
+    return pd.DataFrame([{
+        name: w.id, "pool": w.pool, "state": _state(w),
+        "running": ui.short(w.active_revision), "last heartbeat": ui.ago(w.last_heartbeat_at),
+        "labels": ", ".join(f"{k}={v}" for k, v in w.labels.items()),
+    } for w in items])
+
+
+def _probe(seconds: float | None) -> str:
+    return "-" if seconds is None else f"in {seconds:.0f} s"
+
+
+def _replicas(items: list[Worker]) -> pd.DataFrame:
+    # Engines, replica addresses and worker ids are what sidecars reported: shown in a table, as text.
+    return pd.DataFrame([{
+        "worker": w.id, "kind": w.kind, "engine": r.engine, "replica": r.replica, "state": r.state,
+        "in flight": r.in_flight, "running": r.running, "waiting": r.waiting, "ejections": r.ejections,
+        "returns": r.returns, "next probe": _probe(r.next_probe_in_s),
+        "as of": "stale" if w.stale else ui.ago(w.replicas_reported_at),
+    } for w in items for r in w.replicas])
+
+
+def _fleet(session: ui.Session, fleet: Fleet) -> None:
+    """Workers (beside their engines) and gateways (in front of replica pools) apart, then every replica."""
+    workers, gateways = fleet.overall, fleet.gateways
+    cols = st.columns(4)
+    cols[0].metric("Workers", workers.workers)
+    cols[1].metric("Stale", workers.stale)
+    cols[2].metric("Converged", f"{workers.converged_workers}/{workers.workers - workers.stale}")
+    cols[3].metric("Generation", fleet.generation)
+    if gateways.workers:
+        cols = st.columns(4)
+        cols[0].metric("Gateways", gateways.workers)
+        cols[1].metric("Stale gateways", gateways.stale)
+        cols[2].metric("Gateways converged", f"{gateways.converged_workers}/{gateways.workers - gateways.stale}")
+    if fleet.replicas.reporters:
+        cols = st.columns(4)
+        cols[0].metric("Replicas", fleet.replicas.total)
+        cols[1].metric("Healthy", fleet.replicas.healthy)
+        cols[2].metric("Ejected", fleet.replicas.ejected)
+    if workers.workers == 0 and gateways.workers == 0:
+        st.caption("No worker has registered yet.")
+        return
+    st.dataframe(pd.DataFrame([{
+        "pool": p.pool, "kind": kind, "sidecars": p.workers, "stale": p.stale, "converged": p.converged,
+        "revisions running": ", ".join(f"{ui.short(r.revision)} x{r.workers}" for r in p.revisions),
+    } for kind, pools in (("worker", fleet.pools), ("gateway", fleet.gateway_pools)) for p in pools]),
+        hide_index=True, width="stretch")
+    page = ui.call(lambda: session.read(calls.workers(limit=_SHOWN)))
+    if page is None:
+        return
+    if page.next_cursor:
+        st.caption(f"Showing the first {_SHOWN} workers and gateways.")
+    listed_workers = [w for w in page.items if w.kind != "gateway"]
+    listed_gateways = [w for w in page.items if w.kind == "gateway"]
+    if listed_workers:
+        st.dataframe(_sidecars(listed_workers, "worker"), hide_index=True, width="stretch")
+    if listed_gateways:
+        st.caption("Gateways: sidecars in front of pools of engine replicas on other hosts")
+        st.dataframe(_sidecars(listed_gateways, "gateway"), hide_index=True, width="stretch")
+    replicas = _replicas(page.items)
+    if not replicas.empty:
+        st.caption("Replicas, as each worker and gateway last reported them (ejected: no requests until a probe "
+                   "brings it back)")
+        st.dataframe(replicas, hide_index=True, width="stretch")
 
 
 def render() -> None:
@@ -59,29 +133,7 @@ def render() -> None:
 
     st.subheader("Fleet")
     if fleet is not None:
-        fleet_cols = st.columns(4)
-        fleet_cols[0].metric("Workers", fleet.overall.workers)
-        fleet_cols[1].metric("Stale", fleet.overall.stale)
-        live = fleet.overall.workers - fleet.overall.stale
-        fleet_cols[2].metric("Converged", f"{fleet.overall.converged_workers}/{live}")
-        fleet_cols[3].metric("Generation", fleet.generation)
-        if fleet.overall.workers == 0:
-            st.caption("No worker has registered yet.")
-        else:
-            st.dataframe(pd.DataFrame([{
-                "pool": p.pool, "workers": p.workers, "stale": p.stale, "converged": p.converged,
-                "revisions running": ", ".join(f"{ui.short(r.revision)} x{r.workers}" for r in p.revisions),
-            } for p in fleet.pools]), hide_index=True, width="stretch")
-            page = ui.call(lambda: session.read(calls.workers(limit=200)))
-            if page is not None:
-                st.dataframe(pd.DataFrame([{
-                    "worker": w.id, "pool": w.pool, "state": "stale" if w.stale else (
-                        "converged" if w.converged else "converging"),
-                    "running": ui.short(w.active_revision), "last heartbeat": ui.ago(w.last_heartbeat_at),
-                    "labels": ", ".join(f"{k}={v}" for k, v in w.labels.items()),
-                } for w in page.items]), hide_index=True, width="stretch")
-                if page.next_cursor:
-                    st.caption("Showing the first 200 workers.")
+        _fleet(session, fleet)
 
     st.subheader("Policies")
     if policies:

@@ -39,16 +39,19 @@ def killswitch_status(as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: 
         show(api.send(calls.kill_switch()).json, as_json)
 
 
-def workers(pool: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False,
-            url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
-    """The fleet: which revision each worker runs and whether it converged."""
+def workers(pool: Annotated[str | None, typer.Option()] = None,
+            kind: Annotated[str | None, typer.Option(help="worker or gateway; both when left out")] = None,
+            replicas: Annotated[bool, typer.Option("--replicas", help="also each one's engine replicas, as its "
+                                                   "last heartbeat reported them")] = False,
+            as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
+    """The fleet: which revision each worker and gateway runs, whether it converged, and its replicas."""
     raw: list[dict[str, Any]] = []
     items: list[Worker] = []
     with control_plane(url, key) as api:
         fleet = api.send(calls.fleet())
         cursor: str | None = None
         while True:  # every page: the API gives at most `limit` workers at a time
-            page = api.send(calls.workers(pool=pool or None, cursor=cursor))
+            page = api.send(calls.workers(pool=pool or None, kind=kind or None, cursor=cursor))
             raw.extend(page.json["items"])
             items.extend(page.data.items)
             cursor = page.data.next_cursor
@@ -60,5 +63,12 @@ def workers(pool: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt
     typer.echo(f"converged: {fleet.data.overall.converged}")
     for w in items:
         mark = "stale" if w.stale else ("ok" if w.converged else "converging")
-        typer.echo(f"{w.id:<32} pool={w.pool:<16} etag={str(w.active_etag)[:12]:<12} "
+        typer.echo(f"{w.id:<32} {w.kind:<8} pool={w.pool:<16} etag={str(w.active_etag)[:12]:<12} "
                    f"expected={str(w.expected_etag)[:12]:<12} {mark}")
+        if replicas:
+            for r in w.replicas:
+                probe = f", next probe in {r.next_probe_in_s:.0f} s" if r.next_probe_in_s is not None else ""
+                running = "-" if r.running is None else f"{r.running:g}"
+                waiting = "-" if r.waiting is None else f"{r.waiting:g}"
+                typer.echo(f"    {r.engine:<12} {r.replica:<32} {r.state:<8} in flight {r.in_flight}, running "
+                           f"{running}, waiting {waiting}, ejections {r.ejections}{probe}")

@@ -140,6 +140,30 @@ def test_rollouts_rollback_kill_switch_fleet_and_audit(api: ApiClient, live: str
     assert api.send(calls.rollups(group_by=["route"])).data.groups == []
 
 
+def test_workers_and_gateways_with_their_replicas(api: ApiClient, live: str, admin_key: str,
+                                                  worker_key: dict[str, str]) -> None:
+    with httpx.Client(base_url=live, headers=worker_key, timeout=10) as sidecar:
+        for worker_id, kind in (("w1", "worker"), ("w2", "gateway")):
+            sidecar.post("/v1/workers/register", json={"id": worker_id, "pool": "pool-a",
+                                                       "kind": kind}).raise_for_status()
+        sidecar.post("/v1/workers/w2/heartbeat", json={"replicas": [
+            {"engine": "base", "replica": "10.0.0.5:8000", "state": "healthy", "in_flight": 3, "running": 2},
+            {"engine": "base", "replica": "10.0.0.6:8000", "state": "ejected", "next_probe_in_s": 1.5},
+        ]}).raise_for_status()
+    (gateway,) = api.send(calls.workers(kind="gateway")).data.items
+    assert (gateway.id, gateway.kind, gateway.replicas_reported_at is not None) == ("w2", "gateway", True)
+    assert [(r.replica, r.state, r.in_flight, r.running, r.next_probe_in_s) for r in gateway.replicas] == [
+        ("10.0.0.5:8000", "healthy", 3, 2.0, None), ("10.0.0.6:8000", "ejected", 0, None, 1.5)]
+    (worker,) = api.send(calls.workers(kind="worker")).data.items
+    assert (worker.id, worker.replicas, worker.replicas_reported_at) == ("w1", [], None)
+    assert api.send(calls.workers(kind="gateway")).json == _direct(live, admin_key, "/v1/workers", kind="gateway")
+    fleet = api.send(calls.fleet()).data
+    assert (fleet.overall.workers, fleet.gateways.workers) == (1, 1)
+    assert [p.pool for p in fleet.gateway_pools] == ["pool-a"]
+    assert (fleet.replicas.reporters, fleet.replicas.total, fleet.replicas.healthy, fleet.replicas.ejected) == (
+        1, 2, 1, 1)
+
+
 def test_analysis_calls(live: str, migrated_url: str, admin_key: str) -> None:
     (rid,) = seed(migrated_url, policy_text())
     recorded_window(migrated_url, rid)

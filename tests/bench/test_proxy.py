@@ -62,6 +62,25 @@ def test_sidecar_against_direct_answers_completely() -> None:
     assert "Goals" in text
 
 
+def test_the_gateway_peer_proxies_over_two_replicas_beside_the_sidecar() -> None:
+    config = proxy.Config(levels=[4], modes=["json"], peers=["sidecar", "gateway"], pairs=1, duration_s=0.4,
+                          warmup_s=0.1, max_load=math.inf, load_wait_s=0.0, validate=True, ready_timeout_s=60.0)
+    report = proxy.run(config)
+    runs = {r["peer"]: r for r in report["runs"]}
+    assert set(runs) == {"sidecar", "gateway"}
+    gateway = runs["gateway"]["proxied"]
+    assert gateway["completed"] > 0
+    assert gateway["errors"] == gateway["bad"] == 0
+    assert gateway["decision_header"] == gateway["completed"]
+    assert gateway["cpu_s"]["proxy"] > 0
+    # both send their events to the stand-in control plane: one per request either answered
+    assert report["telemetry"]["events_received"] == report["telemetry"]["sidecar_requests_answered"]
+    # the goal of replica pools: what the gateway adds to the sidecar's CPU per request (no timing asserted)
+    [goal] = [g for g in report["goals"] if g["goal"].startswith("replica pools")]
+    assert goal["result"].startswith("json c=4: ")
+    assert goal["result"].endswith(" us")
+
+
 def test_profile_summary_attributes_samples() -> None:
     root = proxy.ROOT
     raw = (f"run ({root}/sidecar/main.py:1);SidecarApp._api ({root}/sidecar/proxy.py:10) 3\n"

@@ -118,6 +118,7 @@ def test_sign_in_edit_roll_out_roll_back_and_audit(live_control_plane: LiveContr
                                                    browser: playwright_sync.Browser, shots: Path) -> None:
     cp = live_control_plane
     seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=60, per_minute=25)
+    _gateway(cp)
     page = browser.new_page(viewport={"width": 1440, "height": 1800})
     page.set_default_timeout(WAIT_MS)
     try:
@@ -125,6 +126,16 @@ def test_sign_in_edit_roll_out_roll_back_and_audit(live_control_plane: LiveContr
     except Exception:
         page.screenshot(path=str(shots / "failure.png"), full_page=True)
         raise
+
+
+def _gateway(cp: LiveControlPlane) -> None:
+    """A gateway of the seeded pool reporting one ejected replica, for the overview's replicas table."""
+    with httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {cp.worker}"}, timeout=30) as api:
+        api.post("/v1/workers/register", json={"id": "fleet-gw-1", "pool": "fleet", "kind": "gateway",
+                                               "engines": {"base": "pool"}}).raise_for_status()
+        api.post("/v1/workers/fleet-gw-1/heartbeat", json={"replicas": [
+            {"engine": "base", "replica": "10.0.0.7:8000", "state": "ejected", "consecutive_failures": 3,
+             "ejections": 1, "next_probe_in_s": 5.0}]}).raise_for_status()
 
 
 def _journey(page: playwright_sync.Page, browser: playwright_sync.Browser, cp: LiveControlPlane,
@@ -135,6 +146,8 @@ def _journey(page: playwright_sync.Page, browser: playwright_sync.Browser, cp: L
     page.get_by_text("Last hour").wait_for()
     page.get_by_text("Rollouts in progress").wait_for()
     page.get_by_text("fleet-gpu-5").wait_for(state="attached")  # a cell of a data grid: in the DOM, drawn on canvas
+    page.get_by_text("Replicas, as each worker and gateway last reported them").wait_for()
+    page.get_by_text("10.0.0.7:8000").wait_for(state="attached")  # the gateway's replica row
     _shot(page, shots, "1-overview")
 
     # A revision with a validation error: the error shows at its path and line; then fixed and saved.

@@ -97,6 +97,62 @@ def test_overview_shows_the_fleet_the_last_hour_and_the_kill_switch(live_control
     assert "incident 42" in texts(at.error)
 
 
+def _gateway_with_replicas(cp: LiveControlPlane, gateway: str = "fleet-gw-1",
+                           address: str = "10.0.0.7:8000") -> None:
+    """A gateway of the seeded pool, in front of three replicas of which one is ejected."""
+    with _api(cp, cp.worker) as api:
+        api.post("/v1/workers/register", json={"id": gateway, "pool": "fleet", "kind": "gateway",
+                                               "engines": {"base": "pool"}}).raise_for_status()
+        replica = {"engine": "base", "state": "healthy", "in_flight": 1, "running": 2.0, "waiting": 0.0,
+                   "consecutive_failures": 0, "ejections": 0, "returns": 0, "next_probe_in_s": None}
+        api.post(f"/v1/workers/{gateway}/heartbeat", json={"replicas": [
+            {**replica, "replica": "10.0.0.5:8000"}, {**replica, "replica": "10.0.0.6:8000", "in_flight": 4},
+            {**replica, "replica": address, "state": "ejected", "in_flight": 0, "running": None,
+             "consecutive_failures": 3, "ejections": 2, "returns": 1, "next_probe_in_s": 7.2}]}).raise_for_status()
+
+
+def test_overview_shows_gateways_apart_and_every_replica(live_control_plane: LiveControlPlane,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=2, per_minute=5)
+    _gateway_with_replicas(cp)
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("overview").run()
+    no_exception(at)
+    # Workers count as before; the gateway beside them.
+    assert _metric(at, "Workers") == "6"
+    assert _metric(at, "Gateways") == "1"
+    assert (_metric(at, "Replicas"), _metric(at, "Healthy"), _metric(at, "Ejected")) == ("3", "2", "1")
+    tables = [d.value for d in at.dataframe]
+    pools = tables[1]
+    assert sorted(zip(pools["pool"], pools["kind"], pools["sidecars"], strict=True)) == [
+        ("fleet", "gateway", 1), ("fleet", "worker", 6)]
+    workers, gateways, replicas = tables[2], tables[3], tables[4]
+    assert sorted(workers["worker"]) == sorted(seeded.workers)
+    assert list(gateways["gateway"]) == ["fleet-gw-1"]
+    rows = replicas.to_dict("records")
+    assert [(r["worker"], r["engine"], r["replica"], r["state"]) for r in rows] == [
+        ("fleet-gw-1", "base", "10.0.0.5:8000", "healthy"), ("fleet-gw-1", "base", "10.0.0.6:8000", "healthy"),
+        ("fleet-gw-1", "base", "10.0.0.7:8000", "ejected")]
+    ejected = rows[2]
+    assert (ejected["in flight"], ejected["ejections"], ejected["returns"]) == (0, 2, 1)
+    assert ejected["next probe"] == "in 7 s"
+    assert rows[1]["in flight"] == 4
+    assert rows[0]["next probe"] == "-"
+
+
+def test_overview_of_workers_only_shows_no_gateway_or_replica_table(live_control_plane: LiveControlPlane,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("overview").run()
+    no_exception(at)
+    assert [m.label for m in at.metric if m.label in ("Gateways", "Replicas", "Ejected")] == []
+    assert len(at.dataframe) == 4  # last hour, pools, workers, policies
+    assert "gateway" not in set(at.dataframe[1].value["kind"])
+
+
 # --- policies -------------------------------------------------------------------------------
 
 def _policies_page(cp: LiveControlPlane, monkeypatch: pytest.MonkeyPatch, key: str) -> object:

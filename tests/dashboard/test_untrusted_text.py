@@ -80,6 +80,26 @@ def test_a_hostile_route_name_is_shown_as_text_never_as_markdown(live_control_pl
     assert [body for body in _markdown_bodies(at) if "javascript:" in body] == []
 
 
+def test_replicas_and_engines_a_gateway_reports_are_shown_as_text(live_control_plane: LiveControlPlane,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
+    with _api(cp, cp.worker) as api:
+        api.post("/v1/workers/register", json={"id": "fleet-gw", "pool": "fleet", "kind": "gateway",
+                                               "engines": {HOSTILE_ROUTE[:63]: "x"}}).raise_for_status()
+        api.post("/v1/workers/fleet-gw/heartbeat", json={"replicas": [
+            {"engine": HOSTILE_ROUTE[:63], "replica": HOSTILE_ROUTE, "state": "ejected",
+             "next_probe_in_s": 3.0}]}).raise_for_status()
+    use(monkeypatch, cp.url, cp.admin)
+    at = page("overview").run()
+    no_exception(at)
+    (replicas,) = [d.value for d in at.dataframe if "replica" in d.value.columns]
+    assert list(replicas["replica"]) == [HOSTILE_ROUTE]
+    assert list(replicas["engine"]) == [HOSTILE_ROUTE[:63]]
+    outside = [CODE_SPAN.sub("", body) for body in _markdown_bodies(at)]
+    assert [text for text in outside if "**x**" in text or "javascript:" in text or ":red[" in text] == []
+
+
 @pytest.mark.parametrize("value", ["**x**", "a`b", "`x`", " x ", "[a](javascript:alert(1))", "line\nbreak"])
 def test_literal_code_spans_hold_any_text(value: str) -> None:
     shown = literal(value)

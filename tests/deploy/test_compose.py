@@ -5,7 +5,9 @@ JSON schema (tests/schemas/compose-spec.json), before and after variable
 interpolation, and against the code it runs — every ``SPECGATE_*`` variable a
 container gets must be a field of the settings class that reads it (and parse
 there), every ``specgate`` command line must parse with the real CLI, the two
-vLLM variants must carry the per-request metrics flags, ports must not collide.
+vLLM variants must carry the per-request metrics flags, ports must not collide. The profile ``pools``
+(replica pools behind a gateway) must leave the default shape as it is, put its servers on GPUs of their own,
+start them like the twins, and give the gateway settings that name them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dashboard.settings import DashboardSettings
 from sidecar.settings import SidecarSettings
 from specgate.cli import app
 from tests.support import paths
+from tests.support.deploy import VARIABLE, flags_of, interpolate, parse_cli, sidecar_settings_of
 
 ROOT = paths.ROOT
 COMPOSE = ROOT / "docker-compose.yml"
@@ -36,53 +39,20 @@ ENV_EXAMPLE = ROOT / ".env.example"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "compose-spec.json"
 # typer may bring its own copy of click, so the click types are reached through typer
 UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-SPECGATE_SERVICES = ("controlplane-init", "controlplane", "policy-init", "dashboard", "sidecar", "loadgen")
+SPECGATE_SERVICES = ("controlplane-init", "controlplane", "policy-init", "dashboard", "sidecar", "loadgen", "gateway")
 VLLM_SERVICES = ("vllm-spec", "vllm-plain")
+# profile pools: a speculative and a plain server, each on a GPU of its own, behind a gateway
+POOL_SERVICES = ("vllm-spec-pool", "vllm-plain-pool")
+# what `docker compose up` starts: the twin shape, exactly as before the pools profile existed
+DEFAULT_SHAPE = {"postgres", "controlplane-init", "controlplane", "policy-init", "dashboard", *VLLM_SERVICES,
+                 "sidecar", "otel-collector"}
 
-# --- Compose variable interpolation (the subset this file may use) ----------------------------
-
-_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])"
-                       r"(?P<arg>[^}]*))?\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*)|(?P<invalid>))")
-
-
-def interpolate_text(text: str, env: dict[str, str]) -> str:
-    def one(match: re.Match[str]) -> str:
-        if match.group("escaped"):
-            return "$"
-        if match.group("invalid") is not None:
-            raise AssertionError(f"invalid interpolation in {text!r}")
-        name = match.group("braced") or match.group("named")
-        op, arg = match.group("op"), match.group("arg") or ""
-        value = env.get(name)
-        if op in (":-", "-"):
-            if value is None or (op == ":-" and value == ""):
-                return arg
-            return value
-        if op in (":?", "?"):
-            if value is None or (op == ":?" and value == ""):
-                raise AssertionError(f"${{{name}}} is required: {arg}")
-            return value
-        if op in (":+", "+"):
-            return arg if value else ""
-        return value or ""
-
-    return _VARIABLE.sub(one, text)
-
-
-def interpolate(node: Any, env: dict[str, str]) -> Any:
-    """Compose interpolates every string value (not keys), after YAML parsing."""
-    if isinstance(node, str):
-        return interpolate_text(node, env)
-    if isinstance(node, list):
-        return [interpolate(item, env) for item in node]
-    if isinstance(node, dict):
-        return {key: interpolate(value, env) for key, value in node.items()}
-    return node
+# --- Compose variable interpolation (tests/support/deploy.py) ----------------------------------
 
 
 def references(node: Any) -> Iterator[re.Match[str]]:
     if isinstance(node, str):
-        for match in _VARIABLE.finditer(node):
+        for match in VARIABLE.finditer(node):
             if match.group("braced") or match.group("named"):
                 yield match
     elif isinstance(node, list):
@@ -157,23 +127,6 @@ def specgate_invocations(service: dict[str, Any]) -> list[list[str]]:
     return found
 
 
-def _parse_cli(args: list[str]) -> Any:
-    """Parse ``specgate ARGS`` with the real command line, as far as the command; raises on a bad line."""
-    root: Any = typer.main.get_command(app)
-    ctx = typer.Context(root, info_name="specgate")
-    command = root
-    rest = list(args)
-    name = "specgate"
-    while hasattr(command, "resolve_command"):  # a group: descend to the subcommand
-        resolved_name, resolved, rest = command.resolve_command(ctx, rest)
-        assert resolved is not None
-        assert resolved_name is not None
-        name, command = resolved_name, resolved
-        ctx = typer.Context(command, info_name=name, parent=ctx)
-    command.make_context(name, rest, parent=ctx.parent)
-    return command
-
-
 # --- the Compose specification -------------------------------------------------------------
 
 
@@ -225,7 +178,7 @@ def test_services_volumes_and_dependencies_hang_together(compose: dict[str, Any]
             else:
                 assert source in compose["volumes"], f"{name} uses volume {source}, not declared"
     # long-running services report health, so that dependants and operators can wait on them
-    for name in ("postgres", "controlplane", "dashboard", "sidecar", *VLLM_SERVICES):
+    for name in ("postgres", "controlplane", "dashboard", "sidecar", *VLLM_SERVICES, "gateway", *POOL_SERVICES):
         assert "healthcheck" in services[name], name
 
 
@@ -295,6 +248,15 @@ def test_specgate_variables_are_settings_the_container_reads(compose: dict[str, 
         reader()
 
 
+def _assert_engines_are_served(services: dict[str, Any], engines: dict[str, list[str]]) -> None:
+    """Every replica URL names a service of the file, on the port its vLLM server listens on."""
+    for urls in engines.values():
+        for url in urls:
+            target = services[urlsplit(url).hostname or ""]
+            command = _command(target)
+            assert command[command.index("--port") + 1] == str(urlsplit(url).port), url
+
+
 def test_the_sidecar_reaches_the_engines_control_plane_and_collector(compose: dict[str, Any],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     services = compose["services"]
@@ -302,13 +264,10 @@ def test_the_sidecar_reaches_the_engines_control_plane_and_collector(compose: di
     for key, value in sidecar_env.items():
         monkeypatch.setenv(key, value)
     settings = SidecarSettings()
-    assert set(settings.engines) == {"base", "draft"}
-    assert urlsplit(settings.engines["base"]).hostname == "vllm-plain"
-    assert urlsplit(settings.engines["draft"]).hostname == "vllm-spec"
-    for url in settings.engines.values():
-        target = services[urlsplit(url).hostname or ""]
-        command = _command(target)
-        assert command[command.index("--port") + 1] == str(urlsplit(url).port)
+    assert settings.kind == "worker"
+    assert not settings.replica_scope  # the twin engines share one GPU: a rule's batch is the worker's
+    assert settings.engines == {"base": ["http://vllm-plain:8000"], "draft": ["http://vllm-spec:8000"]}
+    _assert_engines_are_served(services, settings.engines)
     # the control plane: host and port as it serves them
     control = urlsplit(settings.control_plane)
     serve = _command(services["controlplane"])
@@ -344,14 +303,14 @@ def test_specgate_command_lines_parse(compose: dict[str, Any], name: str) -> Non
     root: Any = typer.main.get_command(app)
     for args in specgate_invocations(compose["services"][name]):
         assert args[0] in root.commands, f"`specgate {args[0]}` is not a command"
-        _parse_cli(args)
+        parse_cli(args)
 
 
 def test_a_bad_command_line_would_be_caught() -> None:
     with pytest.raises(UsageError):
-        _parse_cli(["serve", "--no-such-flag"])
+        parse_cli(["serve", "--no-such-flag"])
     with pytest.raises(UsageError):
-        _parse_cli(["keys", "create", "--scope", "root", "--name", "x"])
+        parse_cli(["keys", "create", "--scope", "root", "--name", "x"])
 
 
 def test_migrations_run_before_the_control_plane_serves(compose: dict[str, Any]) -> None:
@@ -368,15 +327,6 @@ def test_migrations_run_before_the_control_plane_serves(compose: dict[str, Any])
 # --- the two vLLM variants -----------------------------------------------------------------------
 
 
-def _flags(command: list[str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for i, word in enumerate(command):
-        if word.startswith("--"):
-            following = command[i + 1] if i + 1 < len(command) else None
-            out[word] = None if following is None or following.startswith("--") else following
-    return out
-
-
 def test_the_vllm_variants(compose: dict[str, Any]) -> None:
     services = compose["services"]
     spec, plain = (services[name] for name in VLLM_SERVICES)
@@ -385,7 +335,7 @@ def test_the_vllm_variants(compose: dict[str, Any]) -> None:
         assert service["entrypoint"] == ["vllm", "serve"]
         reservation = service["deploy"]["resources"]["reservations"]["devices"][0]
         assert reservation["capabilities"] == ["gpu"]
-    spec_flags, plain_flags = _flags(_command(spec)), _flags(_command(plain))
+    spec_flags, plain_flags = flags_of(_command(spec)), flags_of(_command(plain))
     # one model, served under one name, on one GPU
     assert _command(spec)[0] == _command(plain)[0]
     assert spec_flags["--served-model-name"] == plain_flags["--served-model-name"]
@@ -415,6 +365,127 @@ def test_the_speculative_config_follows_its_variables(raw: dict[str, Any]) -> No
     assert config == {"method": "ngram", "model": "org/small", "num_speculative_tokens": 5}
 
 
+# --- profile pools: replica pools behind a gateway ------------------------------------------------
+
+
+def _profiles(service: dict[str, Any]) -> set[str]:
+    return set(service.get("profiles") or [])
+
+
+def _closure(services: dict[str, Any], names: tuple[str, ...]) -> set[str]:
+    """What ``docker compose up NAMES`` starts: the named services and, transitively, what they depend on."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(services[name].get("depends_on") or {})
+    return seen
+
+
+def test_the_profiles_leave_the_default_shape_as_it_was(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {name for name, service in services.items() if not _profiles(service)} == DEFAULT_SHAPE
+    assert {name for name, service in services.items() if "pools" in _profiles(service)} == \
+        {"gateway", *POOL_SERVICES}
+    assert _profiles(services["loadgen"]) == {"loadgen"}
+    # a default service that waited on a profiled one would drag it into a plain `docker compose up`
+    for name in DEFAULT_SHAPE:
+        assert set(services[name].get("depends_on") or {}) <= DEFAULT_SHAPE, name
+
+
+def test_naming_the_gateway_brings_up_the_pools_shape_without_the_twin(compose: dict[str, Any]) -> None:
+    """docs/deploy-gpu.md: `docker compose --profile pools up -d gateway dashboard`."""
+    started = _closure(compose["services"], ("gateway", "dashboard"))
+    assert started == {"postgres", "controlplane-init", "controlplane", "policy-init", "dashboard",
+                       "otel-collector", "gateway", *POOL_SERVICES}
+    assert not started & {"sidecar", *VLLM_SERVICES}
+
+
+def _gateway_settings(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> SidecarSettings:
+    gateway = compose["services"]["gateway"]
+    return sidecar_settings_of(_command(gateway), _env(gateway), monkeypatch)
+
+
+def test_the_gateway_routes_to_the_pool_servers(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    services = compose["services"]
+    settings = _gateway_settings(compose, monkeypatch)
+    assert settings.kind == "gateway"
+    assert settings.replica_scope  # a rule's batch is the least-loaded healthy replica's
+    assert settings.engines == {"base": ["http://vllm-plain-pool:8000"], "draft": ["http://vllm-spec-pool:8000"]}
+    _assert_engines_are_served(services, settings.engines)
+    assert "--speculative-config" in _command(services["vllm-spec-pool"])
+    assert "--speculative-config" not in _command(services["vllm-plain-pool"])
+    # the control plane, the collector, the key's pool and a worker id of its own
+    sidecar_env, gateway_env = _env(services["sidecar"]), _env(services["gateway"])
+    assert settings.control_plane == sidecar_env["SPECGATE_CONTROL_PLANE"]
+    assert gateway_env["OTEL_EXPORTER_OTLP_ENDPOINT"] == sidecar_env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert settings.pool == _env(services["controlplane-init"])["WORKER_POOL"]
+    assert settings.worker_id
+    assert settings.worker_id != sidecar_env["SPECGATE_WORKER_ID"]
+    assert services["gateway"]["ports"][0].rsplit(":", 1)[1] == settings.listen.rpartition(":")[2]
+    # the bootstrap policy's engines are the gateway's
+    from policies import load_policy
+
+    policy = load_policy((ROOT / _env(services["policy-init"])["BOOTSTRAP_POLICY"]).read_text())
+    assert set(policy.engines) <= set(settings.engines)
+
+
+def test_the_gateway_follows_the_speculative_engines_name(raw: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = _gateway_settings(interpolate(raw, {"SPEC_ENGINE_NAME": "ngram"}), monkeypatch)
+    assert set(settings.engines) == {"base", "ngram"}
+
+
+def pool_problems(services: dict[str, Any]) -> list[str]:
+    """What would make the pools shape wrong: shared GPUs, a server that is not the twin's, a bad memory share."""
+    problems = []
+    devices = {}
+    for name in POOL_SERVICES:
+        reservations = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        ids = [device_id for reservation in reservations for device_id in reservation.get("device_ids", [])]
+        if len(ids) != 1:
+            problems.append(f"{name}: one GPU each, got {ids}")
+        devices[name] = tuple(ids)
+        share = float(flags_of(_command(services[name])).get("--gpu-memory-utilization") or "nan")
+        if not 0.5 <= share <= 0.95:
+            problems.append(f"{name}: --gpu-memory-utilization {share} (the GPU is its own: 0.5 to 0.95)")
+    if len(set(devices.values())) != len(devices):
+        problems.append(f"the pool servers share a GPU: {devices}")
+    # the same servers as the twin shape's, memory share aside
+    for pool, twin in zip(POOL_SERVICES, VLLM_SERVICES, strict=True):
+        pool_flags, twin_flags = flags_of(_command(services[pool])), flags_of(_command(services[twin]))
+        pool_flags.pop("--gpu-memory-utilization", None)
+        twin_flags.pop("--gpu-memory-utilization", None)
+        if _command(services[pool])[0] != _command(services[twin])[0] or pool_flags != twin_flags:
+            problems.append(f"{pool} is not started like {twin}: {pool_flags} != {twin_flags}")
+        for key in ("image", "entrypoint", "ipc", "volumes", "environment", "healthcheck"):
+            if services[pool].get(key) != services[twin].get(key):
+                problems.append(f"{pool}: {key} differs from {twin}'s")
+    return problems
+
+
+def test_the_pool_servers_each_have_a_gpu_and_start_like_the_twins(raw: dict[str, Any],
+                                                                   compose: dict[str, Any]) -> None:
+    assert pool_problems(compose["services"]) == []
+    assert pool_problems(interpolate(raw, env_example())["services"]) == []
+    overridden = interpolate(raw, {"GPU_DEVICE_SPEC": "2", "GPU_DEVICE_PLAIN": "3", "SPEC_NUM_TOKENS": "5"})
+    assert pool_problems(overridden["services"]) == []
+
+
+def test_a_broken_pools_shape_would_be_caught(raw: dict[str, Any], compose: dict[str, Any]) -> None:
+    assert any("share a GPU" in p for p in pool_problems(interpolate(raw, {"GPU_DEVICE_PLAIN": "0"})["services"]))
+    assert any("--gpu-memory-utilization" in p
+               for p in pool_problems(interpolate(raw, {"VLLM_POOL_GPU_MEMORY_UTILIZATION": "0.99"})["services"]))
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["vllm-spec-pool"]["command"].remove("--enable-per-request-metrics")
+    assert any("not started like vllm-spec" in p for p in pool_problems(broken["services"]))
+    broken = json.loads(json.dumps(compose))
+    del broken["services"]["vllm-plain-pool"]["healthcheck"]
+    assert any("healthcheck" in p for p in pool_problems(broken["services"]))
+
+
 def test_the_collector_config_is_complete() -> None:
     config = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
     assert "otlp" in config["receivers"]
@@ -438,7 +509,9 @@ def test_the_image_builds_from_python_slim_and_installs_the_project() -> None:
 # --- who can read which key ------------------------------------------------------------------------
 
 # The services that may mount each key: the init job that writes it, and the one service that uses it.
-KEY_USERS = {"admin.key": {"controlplane-init", "policy-init"}, "worker.key": {"controlplane-init", "sidecar"}}
+# The gateway is a worker too (it registers with the same worker key, bound to the same pool) and faces clients.
+KEY_USERS = {"admin.key": {"controlplane-init", "policy-init"},
+             "worker.key": {"controlplane-init", "sidecar", "gateway"}}
 
 
 def _mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
@@ -478,6 +551,8 @@ def test_only_the_service_that_uses_a_key_can_read_it(compose: dict[str, Any]) -
     sidecar_env = _env(services["sidecar"])
     assert sidecar_env["SPECGATE_KEY_FILE"] == files["worker.key"]
     assert _volume_holding(services["sidecar"], files["worker.key"]) == volumes["worker.key"]
+    assert _env(services["gateway"])["SPECGATE_KEY_FILE"] == files["worker.key"]
+    assert _volume_holding(services["gateway"], files["worker.key"]) == volumes["worker.key"]
     assert _volume_holding(services["policy-init"], files["admin.key"]) == volumes["admin.key"]
 
 

@@ -73,9 +73,11 @@ def spec_counters(fleet_metrics: str) -> dict[str, float]:
 
 def assert_header_matches_row(answer: Answer, row: dict[str, Any]) -> None:
     d = answer.decision
-    assert (d["engine"], d["rule"], d["policy"], d["revision"], d["explored"]) == (
-        row["decided_engine"], row["rule"], row["policy"], row["revision"], "true" if row["explored"] else "false"), \
-        (answer.request_id, d, {k: row[k] for k in ("decided_engine", "rule", "policy", "revision", "explored")})
+    assert (d["engine"], d["rule"], d["policy"], d["revision"], d["explored"], d.get("replica")) == (
+        row["decided_engine"], row["rule"], row["policy"], row["revision"], "true" if row["explored"] else "false",
+        row["replica"]), \
+        (answer.request_id, d, {k: row[k] for k in ("decided_engine", "rule", "policy", "revision", "explored",
+                                                    "replica")})
 
 
 # --- 1. the seed policy, the decision header, SQL telemetry and the engine's own numbers --------------------
@@ -368,6 +370,8 @@ ALWAYS_DRAFT = SEED_POLICY.replace("batch_size: {max: 4}", "batch_size: {max: 64
 # What a SIGKILLed engine looks like to the sidecar: a request in flight sees its connection close, a new one
 # is refused. Nothing else (a 5xx, a read timeout) may be the reason of a fallback here.
 ENGINE_GONE = {"upstream_disconnected", "connect_error"}
+# Once the sidecar has ejected the dead engine (sidecar/replicas.py), requests go to base without trying it.
+EJECTED = "pool_unavailable"
 
 
 def test_the_speculative_engine_is_killed_mid_load_requests_fall_back_and_none_fail_on_both_databases(
@@ -397,7 +401,8 @@ def test_the_speculative_engine_is_killed_mid_load_requests_fall_back_and_none_f
         assert [(a.request_id, a.status, a.error) for a in got if not (a.ok and a.text)] == [], db
         assert {a.decision["engine"] for a in got} == {"draft"}, db
         fallbacks = {a.request_id: parse_decision(a.fallback) for a in got if a.fallback is not None}
-        assert all(f["engine"] == "base" and f["reason"] in ENGINE_GONE for f in fallbacks.values()), (db, fallbacks)
+        assert all(f["engine"] == "base" and f["reason"] in ENGINE_GONE | {EJECTED}
+                   for f in fallbacks.values()), (db, fallbacks)
         # Before the kill the draft engine served; after it every request fell back to base. Of the 12 answers
         # awaited after the kill, at most one per worker was sent before it.
         before = [a for a in got if a.done_at < killed]
@@ -405,7 +410,12 @@ def test_the_speculative_engine_is_killed_mid_load_requests_fall_back_and_none_f
         assert len(before) >= 5, db
         assert [a.fallback for a in before if a.fallback is not None] == [], db
         assert len(after) >= 12 - workers, (db, len(after))
-        assert [fallbacks.get(a.request_id, {}).get("reason") for a in after] == ["connect_error"] * len(after), db
+        # Sent after the kill: refused connections, retried on base, until the failures (or the scrapes that
+        # could not connect) ejected the engine; from then on straight to base, with nothing tried.
+        reasons_after = [fallbacks.get(a.request_id, {}).get("reason") for a in sorted(after, key=lambda a: a.sent_at)]
+        assert set(reasons_after) <= {"connect_error", EJECTED}, (db, reasons_after)
+        assert reasons_after[-1] == EJECTED, (db, reasons_after)
+        assert reasons_after.count("connect_error") <= 3 + workers, (db, reasons_after)
 
         # Telemetry: exactly one row per answered request, saying what its headers said.
         rows = stack.rows_by_request(len(got))
@@ -415,18 +425,22 @@ def test_the_speculative_engine_is_killed_mid_load_requests_fall_back_and_none_f
             assert_header_matches_row(a, row)
             fallback = fallbacks.get(a.request_id)
             expected = (("ok", "draft", False, 0, None) if fallback is None
-                        else ("ok", "base", True, 1, fallback["reason"]))
+                        else ("ok", "base", True, 0 if fallback["reason"] == EJECTED else 1, fallback["reason"]))
             assert (row["status"], row["engine"], row["fallback"], row["retries"], row["fallback_reason"]) \
                 == expected, (db, a.request_id, a.fallback)
             if fallback is not None:  # base does not speculate: no draft numbers for a fallback
                 assert row["spec_draft_tokens"] is None, (db, a.request_id)
 
-        # The sidecar's own counters: one failed try on draft and one answer from base per fallback.
+        # The sidecar's own counters: one failed try on draft per fallback that tried it, one answer from base
+        # per fallback, and the draft engine ejected.
         reasons = Counter(f["reason"] for f in fallbacks.values())
         metrics = stack.sidecar.metrics()
         assert {ls["reason"]: v for ls, v in prom_samples(metrics, "specgate_sidecar_fallbacks_total")} == reasons
-        assert prom_sum(metrics, "specgate_sidecar_upstream_errors_total", engine="draft") == len(fallbacks)
+        assert prom_sum(metrics, "specgate_sidecar_upstream_errors_total", engine="draft") == \
+            len(fallbacks) - reasons[EJECTED]
         assert prom_sum(metrics, "specgate_sidecar_requests_total", engine="base", status="ok") == len(fallbacks)
+        assert prom_sum(metrics, "specgate_sidecar_replica_healthy", engine="draft") == 0
+        assert prom_sum(metrics, "specgate_sidecar_replica_ejections_total", engine="draft") == 1
 
         in_flight = sum(1 for a in got if a.fallback is not None and a.sent_at < killed)
         report.append(f"{db}: {len(got)} requests, {len(before)} done before the kill; {len(fallbacks)} fell back "

@@ -56,7 +56,7 @@ def base(_engines: tuple[FakeEngine, FakeEngine]) -> FakeEngine:
 def make_sidecar(loop_thread: LoopThread, draft: FakeEngine, base: FakeEngine) -> Iterator[SidecarFactory]:
     started: list[Sidecar] = []
 
-    def make(*, engines: dict[str, str] | None = None, bundle: policies.CompiledBundle | str | None = "seed",
+    def make(*, engines: dict[str, Any] | None = None, bundle: policies.CompiledBundle | str | None = "seed",
              on_event: Callable[[TelemetryEvent], None] | None = None, expose_engine_metrics: bool = False,
              server: str = "specgate", **settings: Any) -> Sidecar:
         values: dict[str, Any] = {"worker_id": "w1", "pool": "gpu-a", "engine_metrics_s": 60.0,

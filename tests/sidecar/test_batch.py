@@ -1,4 +1,5 @@
-"""The batch-size rule: in flight + what fresh scrapes of vllm:num_requests_running saw beyond our own requests."""
+"""The batch-size rule in worker scope: in flight + what fresh scrapes of vllm:num_requests_running saw beyond our
+own requests (sidecar/replicas.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import time
 
 import httpx
 
-from sidecar.batch import BatchEstimator, EngineScraper, InFlight, parse_running
+from sidecar.replicas import InFlight, Pools, parse_engine_load, parse_running
 from tests.support.fake_upstream import FakeEngine, closed_port
 from tests.support.sidecars import LoopThread, SidecarFactory, wait_for
 
@@ -25,10 +26,27 @@ def test_parse_running_sums_label_sets_and_ignores_lookalikes() -> None:
     assert parse_running("vllm:num_requests_waiting 4\n") is None
     assert parse_running("vllm:num_requests_running NaN\n") is None
     assert parse_running("") is None
+    assert parse_engine_load(METRICS_TEXT) == (5.0, 40.0)
+    assert parse_engine_load("vllm:num_requests_running 1\n") == (1.0, None)
+
+
+class _Estimator:
+    """Admission as the request path does it: count the request in, then the worker-scope batch."""
+
+    def __init__(self, inflight: InFlight, pools: Pools | None) -> None:
+        self.inflight = inflight
+        self.pools = pools
+
+    def admit(self) -> int:
+        count = self.inflight.admit()
+        return count if self.pools is None else self.pools.worker_batch(count, time.monotonic())
+
+    def release(self) -> None:
+        self.inflight.release()
 
 
 def test_in_flight_counts_this_request_and_releases() -> None:
-    estimator = BatchEstimator(InFlight(), None)
+    estimator = _Estimator(InFlight(), None)
     assert [estimator.admit() for _ in range(3)] == [1, 2, 3]
     estimator.release()
     estimator.release()
@@ -37,59 +55,61 @@ def test_in_flight_counts_this_request_and_releases() -> None:
 
 
 def test_fresh_scrape_adds_traffic_that_bypasses_the_sidecar_and_stale_one_does_not() -> None:
-    scraper = EngineScraper({"draft": "http://a", "base": "http://b/", "alias": "http://b"}, 0.5)
-    assert set(scraper.urls) == {"http://a", "http://b"}  # two names for one server: scraped once
-    estimator = BatchEstimator(InFlight(), scraper)
+    inflight = InFlight()
+    scraper = Pools({"draft": ["http://a"], "base": ["http://b/"], "alias": ["http://b"]}, inflight=inflight)
+    assert set(scraper.replicas) == {"http://a", "http://b"}  # two names for one server: scraped once
+    assert scraper.pools["alias"] == scraper.pools["base"]
+    estimator = _Estimator(inflight, scraper)
     now = time.monotonic()
-    scraper.running = {"draft": (2.0, now), "base": (4.0, now)}  # none of it ours (own_at_scrape 0)
+    scraper.scraped = {"http://a": (2.0, now), "http://b": (4.0, now)}  # none of it ours (own_at_scrape 0)
     scraper._recompute()
-    assert scraper.engines_running() == 6
+    assert scraper.total == 6
     assert estimator.admit() == 7  # 6 running elsewhere + this one
     # our own requests add to what bypasses us
     assert [estimator.admit() for _ in range(3)] == [8, 9, 10]
     for _ in range(4):
         estimator.release()
     # one engine's scrape went stale: only the fresh one counts
-    scraper.running = {"draft": (2.0, now - 10), "base": (4.0, now)}
+    scraper.scraped = {"http://a": (2.0, now - 10), "http://b": (4.0, now)}
     scraper._recompute()
     assert estimator.admit() == 5
     estimator.release()
-    scraper.running = {"draft": (2.0, now - 10)}
+    scraper.scraped = {"http://a": (2.0, now - 10)}
     scraper._recompute()
     assert estimator.admit() == 1
 
 
 def test_our_own_requests_in_a_scrape_are_not_counted_twice() -> None:
     inflight = InFlight()
-    scraper = EngineScraper({"draft": "http://a", "base": "http://b"}, 0.5, inflight=inflight)
-    estimator = BatchEstimator(inflight, scraper)
+    scraper = Pools({"draft": ["http://a"], "base": ["http://b"]}, inflight=inflight)
+    estimator = _Estimator(inflight, scraper)
     now = time.monotonic()
     # The scrape answered while 3 of our requests ran; the engines ran 5: 2 came from elsewhere.
-    scraper.running = {"draft": (3.0, now), "base": (2.0, now)}
+    scraper.scraped = {"http://a": (3.0, now), "http://b": (2.0, now)}
     scraper.own_at_scrape = 3
     scraper._recompute()
-    assert scraper.engines_running() == 2
+    assert scraper.total == 2
     assert estimator.admit() == 3  # our 1 (the 3 have finished since) + the 2 from elsewhere
     estimator.release()
     # All the engines ran was ours, and it has finished: a lone request is a batch of one, not of
     # (what the stale scrape saw) + 1.
     scraper.own_at_scrape = 5
     scraper._recompute()
-    assert scraper.engines_running() == 0
+    assert scraper.total == 0
     assert estimator.admit() == 1
     estimator.release()
     # a scrape that saw fewer than our own (requests between sidecar and engine) never goes negative
     scraper.own_at_scrape = 9
     scraper._recompute()
-    assert scraper.engines_running() == 0
+    assert scraper.total == 0
 
 
 def test_scraper_reads_engines_and_drops_failing_ones(loop_thread: LoopThread, draft: FakeEngine,
                                                       base: FakeEngine) -> None:
     draft.running = 3
     base.running = 2
-    scraper = EngineScraper({"draft": draft.url, "base": base.url, "gone": f"http://127.0.0.1:{closed_port()}"},
-                            60.0)
+    gone = f"http://127.0.0.1:{closed_port()}"
+    scraper = Pools({"draft": [draft.url], "base": [base.url], "gone": [gone]}, inflight=InFlight(), interval_s=60.0)
 
     async def scrape() -> None:
         try:
@@ -98,16 +118,19 @@ def test_scraper_reads_engines_and_drops_failing_ones(loop_thread: LoopThread, d
             await scraper.stop()
 
     loop_thread.run(scrape())
-    assert {name: value for name, (value, _at) in scraper.running.items()} == {"draft": 3.0, "base": 2.0}
-    assert scraper.engines_running() == 5
-    assert scraper.failures == 1
+    assert {url: value for url, (value, _at) in scraper.scraped.items()} == {draft.url: 3.0, base.url: 2.0}
+    assert scraper.total == 5
+    assert scraper.scrape_failures == 1
+    # a replica that cannot be reached counts a failure towards its ejection; the others are fine
+    assert scraper.replicas[gone].failures == 1
+    assert scraper.replicas[draft.url].failures == 0
 
 
 def test_busy_engines_send_a_lone_chat_request_to_base(make_sidecar: SidecarFactory, draft: FakeEngine,
                                                         base: FakeEngine) -> None:
     base.running = 5  # e.g. traffic that bypasses the sidecar
     sidecar = make_sidecar(engine_metrics_s=0.05)
-    wait_for(lambda: sidecar.app.scraper is not None and sidecar.app.scraper.engines_running() == 5)
+    wait_for(lambda: sidecar.app.pools.total == 5)
     response = httpx.post(sidecar.url + "/v1/chat/completions", headers={"X-Specgate-Route": "chat"},
                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 200
@@ -119,7 +142,7 @@ def test_busy_engines_send_a_lone_chat_request_to_base(make_sidecar: SidecarFact
     assert not draft.requests
     # the load goes away: the next scrape lets speculation back in
     base.running = 0
-    wait_for(lambda: sidecar.app.scraper is not None and sidecar.app.scraper.engines_running() == 0)
+    wait_for(lambda: sidecar.app.pools.total == 0 and sidecar.app.pools.scrapes > 0)
     response = httpx.post(sidecar.url + "/v1/chat/completions", headers={"X-Specgate-Route": "chat"},
                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert response.headers["x-specgate-decision"].startswith("engine=draft;")

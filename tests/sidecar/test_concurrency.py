@@ -52,7 +52,8 @@ def test_200_concurrent_streams(make_sidecar: SidecarFactory, draft: FakeEngine,
         event = by_id[rid]
         decision = fields(header)
         assert decision == {"engine": event.decided_engine, "rule": event.rule, "policy": "seed",
-                            "revision": revision, "explored": "false"}
+                            "revision": revision, "explored": "false", "replica": event.replica}
+        assert event.replica == (draft.url if event.engine == "draft" else base.url).removeprefix("http://")
         # the header is what the policy says for the batch size the request was admitted at
         assert decision["engine"] == ("draft" if event.batch_size <= 4 else "base")
         assert served[rid] == event.engine == decision["engine"]

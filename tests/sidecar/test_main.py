@@ -55,7 +55,7 @@ def test_the_command_builds_settings_from_options_over_the_environment(
     (settings,) = captured
     assert settings.control_plane == "http://cp:8080"
     assert settings.key == "sgk_flag"
-    assert settings.engines == {"base": "http://e:8000", "draft": "http://e:8001"}
+    assert settings.engines == {"base": ["http://e:8000"], "draft": ["http://e:8001"]}
     assert settings.pool == "gpu-a"  # not given: from the environment
     assert settings.labels == {"zone": "eu", "gpu": "h100"}
     assert settings.routes == {"/v1/completions": "batch", "llama": "chat"}
@@ -66,8 +66,50 @@ def test_the_command_builds_settings_from_options_over_the_environment(
 
     captured.clear()
     assert CliRunner().invoke(specgate, ["sidecar"]).exit_code == 0  # everything from the environment
-    assert captured[0].engines == {"base": "http://env:1"}
+    assert captured[0].engines == {"base": ["http://env:1"]}
     assert captured[0].key == "sgk_from_env"
+    assert captured[0].kind == "worker"
+    assert not captured[0].replica_scope
+
+
+def test_engines_given_as_pools_of_replicas(captured: list[SidecarSettings],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECGATE_KEY", "sgk_from_env")
+    # a name given twice, and NAME=URL1,URL2, both make a pool, in the order given
+    result = CliRunner().invoke(specgate, [
+        "sidecar", "--kind", "gateway", "--engine", "draft=http://a:8000", "--engine", "draft=http://b:8000",
+        "--engine", "base=http://c:8000,http://d:8000/v"])
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    assert settings.engines == {"draft": ["http://a:8000", "http://b:8000"],
+                                "base": ["http://c:8000", "http://d:8000/v"]}
+    assert settings.kind == "gateway"
+    assert settings.replica_scope  # auto: a gateway's batch is the replica's
+    captured.clear()
+    # the environment's JSON takes a URL, a list, or "URL1,URL2" per name
+    monkeypatch.setenv("SPECGATE_ENGINES", '{"draft": ["http://a:1", "http://b:2"], "base": "http://c:3,http://d:4"}')
+    monkeypatch.setenv("SPECGATE_BATCH_SCOPE", "replica")
+    assert CliRunner().invoke(specgate, ["sidecar"]).exit_code == 0
+    assert captured[0].engines == {"draft": ["http://a:1", "http://b:2"], "base": ["http://c:3", "http://d:4"]}
+    assert captured[0].kind == "worker"
+    assert captured[0].replica_scope
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--engine", "draft=http://a:1,"], "--engine must be NAME=URL or NAME=URL1,URL2"),
+    (["--engine", "draft=http://a:1", "--engine", "draft=http://a:1/"], "replica 'http://a:1/' is listed twice"),
+    (["--engine", "draft=http://A:80,http://a"], "replica 'http://a' is listed twice (as a:80)"),
+    (["--engine", "base=http://e:1", "--kind", "router"], "kind"),
+    (["--engine", "base=http://e:1", "--batch-scope", "pool"], "batch_scope"),
+])
+def test_bad_pool_options_exit_2_and_name_the_setting(captured: list[SidecarSettings],
+                                                      monkeypatch: pytest.MonkeyPatch, args: list[str],
+                                                      message: str) -> None:
+    monkeypatch.setenv("SPECGATE_KEY", "sgk_from_env")
+    result = CliRunner().invoke(specgate, ["sidecar", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert not captured
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -58,7 +58,8 @@ def test_decision_header_matches_the_store_and_request_id_round_trips(make_sidec
     assert sidecar.store.current is not None
     expected = sidecar.store.current.decide(policies.RequestShape(
         route="chat", model="m", batch_size=1, max_tokens=32, prompt_tokens=3, request_id="client-id-1"))
-    assert response.headers["x-specgate-decision"] == expected.to_header()
+    # the decision, and the replica that served it
+    assert response.headers["x-specgate-decision"] == expected.to_header() + "; replica=" + draft.url[7:]
     assert expected.engine == "draft"
     # the engine saw the same request id, and the body the client sent
     assert draft.request_ids() == ["client-id-1"]

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from policies import BundlePayload, Delivery, PolicyStore, Revision, SigningKey, canonical_json, load_policy
-from sidecar.batch import InFlight
 from sidecar.metrics import SidecarMetrics
+from sidecar.replicas import InFlight
 from sidecar.settings import SidecarSettings
 from sidecar.sync import PolicySync, _Rejected
 from tests.support import paths

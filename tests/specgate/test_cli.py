@@ -338,6 +338,35 @@ def test_workers_lists_a_registered_worker(run: Run, live: str, settings: Contro
     assert as_json(run("workers", "--pool", "b", "--json"))["workers"] == []
 
 
+def test_workers_shows_gateways_and_their_replicas(run: Run, live: str, settings: ControlPlaneSettings,
+                                                  make_key: Callable[[Scope, str], str]) -> None:
+    seed_policy(settings.database_url)
+    keys = {"gw-1": bearer(make_key(Scope.worker, "key-gw")), "node-1": bearer(make_key(Scope.worker, "key-node"))}
+    replicas = [{"engine": "draft", "replica": "10.0.0.5:8000", "state": "healthy", "in_flight": 3, "running": 4.0,
+                 "waiting": 0.0, "consecutive_failures": 0, "ejections": 0, "returns": 0, "next_probe_in_s": None},
+                {"engine": "base", "replica": "10.0.0.6:8000", "state": "ejected", "in_flight": 0, "running": None,
+                 "waiting": None, "consecutive_failures": 3, "ejections": 1, "returns": 0, "next_probe_in_s": 7.5}]
+    with httpx.Client(base_url=live, timeout=10) as client:
+        for wid, kind in (("gw-1", "gateway"), ("node-1", "worker")):
+            r = client.post("/v1/workers/register", json={"id": wid, "pool": "a", "kind": kind}, headers=keys[wid])
+            assert r.status_code == 201, r.text
+        r = client.post("/v1/workers/gw-1/heartbeat", json={"replicas": replicas}, headers=keys["gw-1"])
+        assert r.status_code == 200, r.text
+    out = run("workers", "--kind", "gateway", "--replicas").stdout.splitlines()
+    [row] = [line for line in out if line.startswith("gw-1")]
+    assert " gateway " in row
+    assert not [line for line in out if line.startswith("node-1")]
+    [draft] = [line for line in out if "10.0.0.5:8000" in line]
+    assert "healthy" in draft
+    assert "in flight 3, running 4, waiting 0" in draft
+    [base] = [line for line in out if "10.0.0.6:8000" in line]
+    assert "ejected" in base
+    assert "next probe in 8 s" in base
+    every = run("workers").stdout
+    assert "node-1" in every
+    assert "10.0.0.5" not in every  # replicas only when asked for
+
+
 def test_workers_follows_every_page(run: Run, settings: ControlPlaneSettings) -> None:
     ids = [f"w{i:03d}" for i in range(150)]  # the API pages by 100
     with session_for(settings.database_url) as session:

@@ -58,6 +58,34 @@ def test_named_engines_are_checked_and_ordered() -> None:
         devstack.choose_engines("draft,ngram", None)
 
 
+@pytest.mark.parametrize(("available", "expected"), [
+    (None, ["base", "draft", "base-2"]),
+    (24.0, ["base", "draft", "base-2"]),
+    (8.5, ["base", "draft"]),
+    (1.0, ["base", "draft"]),
+])
+def test_the_pool_shape_starts_a_speculative_replica_and_plain_ones(available: float | None,
+                                                                    expected: list[str]) -> None:
+    assert devstack.choose_pool_engines("auto", available)[0] == expected
+    assert devstack.choose_pool_engines("base,base-2,draft, draft-2", None) == (
+        ["base", "base-2", "draft", "draft-2"], "as asked")
+    for bad, message in (("base,base-2", "a speculative one"), ("draft,ngram", "a plain replica"),
+                         ("base,draft-9", "unknown engine variant")):
+        with pytest.raises(ValueError, match=message):
+            devstack.choose_pool_engines(bad, None)
+
+
+def test_replicas_of_one_variant_become_one_engine_of_the_gateway(tmp_path: Path) -> None:
+    urls = {"base": "http://127.0.0.1:8100", "draft": "http://127.0.0.1:8102", "base-2": "http://127.0.0.1:8103"}
+    assert devstack.engine_pools(urls) == {"base": ["http://127.0.0.1:8100", "http://127.0.0.1:8103"],
+                                           "draft": ["http://127.0.0.1:8102"]}
+    cmd = devstack.sidecar_command(api_url="http://cp", engine_urls=urls, listen="127.0.0.1:9000", pool="testbed",
+                                   state_dir=tmp_path, bundle_key="KEY", kind="gateway")
+    assert cmd[cmd.index("--kind") + 1] == "gateway"
+    engines_given = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--engine"]
+    assert engines_given == ["base=http://127.0.0.1:8100,http://127.0.0.1:8103", "draft=http://127.0.0.1:8102"]
+
+
 # --- the testbed policy --------------------------------------------------------------------
 
 def _testbed_data() -> dict[str, Any]:
@@ -114,7 +142,7 @@ def _free_ports(count: int) -> int:
 
 
 def _start_up(tmp_path: Path, starter: str, *extra: str) -> tuple[subprocess.Popen[str], dict[str, int]]:
-    ports = {"port": free_port(), "dashboard": free_port(), "sidecar": free_port(), "engine": _free_ports(3)}
+    ports = {"port": free_port(), "dashboard": free_port(), "sidecar": free_port(), "engine": _free_ports(4)}
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -260,6 +288,58 @@ def test_up_registers_a_sidecar_turns_traffic_into_telemetry_and_sigint_stops_ev
         _cleanup(proc, data)
 
 
+
+
+def test_up_in_the_pool_shape_puts_a_gateway_in_front_of_replica_pools(tmp_path: Path) -> None:
+    proc, ports = _start_up(tmp_path, "tests.support.fake_engines:FakeEngineStarter", "--shape", "pools",
+                            "--engines", "base,draft,base-2", "--no-traffic", "--dashboard-port", "0")
+    assert proc.stdout is not None
+    data = tmp_path / "data"
+    try:
+        out = line_queue(proc.stdout)
+        text = _read_until(proc, out, "Ctrl-C stops everything", 120)
+        banner = text.split("specgate is up")[1]
+        base = re.search(r"control plane +(\S+)", banner)
+        key = re.search(r"admin key +(sgk_\S+)", banner)
+        assert base, text
+        assert key, text
+        gateway = f"127.0.0.1:{ports['sidecar']}"
+        assert re.search(rf"gateway +http://{gateway}/v1 +\(OpenAI-compatible; gateway {gateway}", banner), banner
+        assert re.search(rf"engine base-2 +http://127.0.0.1:{ports['engine'] + 3}\b", banner), banner
+        with httpx.Client(base_url=base.group(1), headers={"Authorization": f"Bearer {key.group(1)}"},
+                          timeout=10) as api:
+            def reported() -> dict[str, Any]:
+                items = api.get("/v1/workers", params={"kind": "gateway"}).json()["items"]
+                return next((w for w in items if w["id"] == gateway), {"replicas": []})
+
+            deadline = time.monotonic() + 30
+            while len(reported()["replicas"]) < 3:
+                assert time.monotonic() < deadline, reported()
+                time.sleep(0.5)
+            worker = reported()
+        assert worker["kind"] == "gateway"
+        engine = f"http://127.0.0.1:{ports['engine']}"
+        assert worker["engines"] == {"base": f"{engine},http://127.0.0.1:{ports['engine'] + 3}",
+                                     "draft": f"http://127.0.0.1:{ports['engine'] + 2}"}
+        assert sorted((r["engine"], r["state"]) for r in worker["replicas"]) == [
+            ("base", "healthy"), ("base", "healthy"), ("draft", "healthy")]
+        # through the gateway: a chat request at batch 1 runs on the speculative replica and names it
+        answer = httpx.post(f"http://{gateway}/v1/chat/completions", headers={"X-Specgate-Route": "chat"},
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert f"replica=127.0.0.1:{ports['engine'] + 2}" in answer.headers["x-specgate-decision"]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert proc.returncode == 0
+    finally:
+        _cleanup(proc, data)
+
+
+def test_up_refuses_an_unknown_shape(tmp_path: Path) -> None:
+    result = subprocess.run([*specgate_command(), "up", "--data-dir", str(tmp_path), "--shape", "mesh"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--shape must be twin or pools, got 'mesh'" in result.stderr
 
 
 # --- output that goes away, and a parent killed outright --------------------------------------

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,8 @@ SEED_POLICY = (ROOT / "policies" / "examples" / "seed.yaml").read_text()
 
 
 VARIANTS = ("base", "draft")
+# Engine instances started only by the tests that need them (replica pools): a second plain replica.
+REPLICAS = ("base-2",)
 
 
 # Away from the testbed's default (8100) and from other suites; moved up when taken.
@@ -120,15 +122,15 @@ class Fleet:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.base_port = engines.free_base_port(VARIANTS, BASE_PORT)
+        self.base_port = engines.free_base_port((*VARIANTS, *REPLICAS), BASE_PORT)
         self.urls = {name: f"http://127.0.0.1:{port}"
-                     for name, port in engines.ports_for(VARIANTS, self.base_port).items()}
+                     for name, port in engines.ports_for((*VARIANTS, *REPLICAS), self.base_port).items()}
         self.setup_s: float | None = None
         self.starts: list[tuple[str, float]] = []  # (names, seconds) of every start
 
     def log_tails(self, lines: int = 40) -> str:
         out = []
-        for name in VARIANTS:
+        for name in self.urls:
             log = self.state_dir / f"{name}.log"
             if log.exists():
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
@@ -156,9 +158,9 @@ class Fleet:
         except httpx.HTTPError:
             return False
 
-    def require(self) -> None:
-        """Every engine up: the ones a test killed (or that died) are started again."""
-        dead = [name for name in VARIANTS if not self.healthy(name)]
+    def require(self, names: Sequence[str] = VARIANTS) -> None:
+        """Every engine of ``names`` up: the ones a test killed (or that died) are started again."""
+        dead = [name for name in names if not self.healthy(name)]
         if dead:
             engines.stop(dead, state_dir=self.state_dir)  # forget (and stop, if half alive) what is there
             self.up(dead)
@@ -252,15 +254,18 @@ LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
 class SidecarProcess:
     """``specgate sidecar`` in a subprocess, its log in a file."""
 
-    def __init__(self, cp: ControlPlaneProcess, engine_urls: dict[str, str], directory: Path, worker_id: str) -> None:
+    def __init__(self, cp: ControlPlaneProcess, engine_urls: Mapping[str, str | Sequence[str]], directory: Path,
+                 worker_id: str, *, kind: str = "worker", log_name: str = "sidecar.log") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.worker_id = worker_id
-        self.log = directory / "sidecar.log"
+        self.log = directory / log_name
         self.args = [sys.executable, "-m", "specgate", "sidecar", "--control-plane", cp.base,
-                     "--key", cp.worker_token, "--listen", f"127.0.0.1:{self.port}",
-                     "--state-dir", str(directory / "state"), "--worker-id", worker_id, "--pool", "default",
-                     *[arg for name, url in engine_urls.items() for arg in ("--engine", f"{name}={url}")]]
+                     "--key", cp.worker_token, "--listen", f"127.0.0.1:{self.port}", "--kind", kind,
+                     "--state-dir", str(directory / f"state-{worker_id}"), "--worker-id", worker_id,
+                     "--pool", "default",
+                     *[arg for name, urls in engine_urls.items()
+                       for arg in ("--engine", f"{name}={urls if isinstance(urls, str) else ','.join(urls)}")]]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "OTEL_"))}
         self.env.update({"SPECGATE_EXPOSE_ENGINE_METRICS": "true", "SPECGATE_TELEMETRY_FLUSH_S": "0.2",
                          "SPECGATE_HEARTBEAT_S": "1", "PYTHONUNBUFFERED": "1"})

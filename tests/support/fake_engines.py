@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from specgate import stack as devstack
-from testbed.engines import process_start_ticks
+from testbed.engines import process_start_ticks, variant_of
 from tests.support import paths
 from tests.support.fake_upstream import FakeEngine
 
@@ -83,7 +83,7 @@ async def _serve(specs: list[str]) -> None:
     engines = []
     for spec in specs:
         port, _, name = spec.partition("=")
-        engine = FakeEngine(name, speculative=name != "base")
+        engine = FakeEngine(name, speculative=variant_of(name) != "base")
         engine.port = int(port)
         engine.token_delay = TOKEN_DELAY_S
         await engine.start()

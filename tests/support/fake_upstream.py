@@ -73,6 +73,9 @@ class FakeEngine:
         self.drop_after: int | None = None
         self.content: str | None = None
         self.running: int | None = None
+        self.waiting = 0
+        self.health_status = 200  # what GET /health answers
+        self.health_checks = 0
         self.requests: list[dict[str, Any]] = []  # path, headers, body of each API request
         self.disconnects: list[str] = []  # request ids whose client went away mid-answer
         self.last_sent: dict[str, float] = {}  # request id -> time.monotonic() of the last chunk
@@ -92,6 +95,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
         app.router.add_route("*", "/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -213,9 +217,13 @@ class FakeEngine:
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{engine="0",model_name="fake-model"}} {float(running)}\n'
-            'vllm:num_requests_waiting{engine="0",model_name="fake-model"} 0.0\n'
+            f'vllm:num_requests_waiting{{engine="0",model_name="fake-model"}} {float(self.waiting)}\n'
         )
         return web.Response(text=text, content_type="text/plain")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        return web.Response(status=self.health_status)
 
     async def _echo(self, request: web.Request) -> web.Response:
         data = await request.read()

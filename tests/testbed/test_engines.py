@@ -49,6 +49,27 @@ def test_ports_are_fixed_per_variant() -> None:
         engines.server_args("eagle", 1, MODELS)
 
 
+def test_replicas_of_a_variant_are_instances_of_their_own() -> None:
+    # base-2 is a second plain server: its variant's arguments, a port of its own (+3 per replica)
+    assert engines.variant_of("base-2") == "base"
+    assert engines.replica_number("draft-3") == 3
+    assert engines.ports_for(["base", "draft", "base-2", "draft-2", "ngram-3"], 9000) == {
+        "base": 9000, "draft": 9002, "base-2": 9003, "draft-2": 9005, "ngram-3": 9007}
+    assert engines.server_args("base-2", 9003, MODELS) == [
+        arg if arg != "9000" else "9003" for arg in engines.server_args("base", 9000, MODELS)]
+    assert "--speculative-config" in engines.server_args("draft-2", 9005, MODELS)
+    for bad in ("base-1", "base-4", "base-x", "base-", "eagle-2"):
+        with pytest.raises(ValueError, match="unknown engine variant"):
+            engines.variant_of(bad)
+
+
+def test_second_replicas_take_the_other_half_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert engines.cpu_binding("base-2", [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert engines.cpu_binding("draft-2", [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert engines.cpu_binding("base-3", [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
 def _record(name: str, pid: int, ticks: int) -> engines.EngineRecord:
     return engines.EngineRecord(name=name, pid=pid, start_ticks=ticks, port=1, url="http://127.0.0.1:1",
                                 log="x.log", started_at=0.0)

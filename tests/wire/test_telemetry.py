@@ -35,7 +35,8 @@ def values(**overrides: Any) -> dict[str, Any]:
     base: dict[str, Any] = dict(
         event_id="e" * 32, request_id="r-1", time=dt.datetime(2026, 12, 3, 13, 35, 6, 123456, dt.UTC),
         worker_id="127.0.0.1:9000", pool="default", route="chat", model="m", policy="seed", revision="a" * 64,
-        rule="chat-low-batch", engine="draft", decided_engine="draft", speculate=True, num_speculative_tokens=3,
+        rule="chat-low-batch", engine="draft", decided_engine="draft", replica="10.0.0.5:8000", speculate=True,
+        num_speculative_tokens=3,
         explored=False, canary=False, kill_switch=False, batch_size=2, stream=False, structured_output=False,
         tools=False, max_tokens=16, shape_prompt_tokens=12, labels='{"team":"a"}', prompt_tokens=12,
         completion_tokens=16, ttft_ms=None, itl_ms=None, e2e_ms=0.3123456789, status=EventStatus.ok, http_status=200,
