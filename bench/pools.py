@@ -13,15 +13,17 @@ testbed's trained models:
 * ``spec`` — the gateway in front of two speculative replicas, always
   speculating (each of these two arms has two servers, as the others do);
 * ``pools-2gw`` — ``pools`` with two gateway instances, the traffic split
-  evenly between them (each gets half of each concurrency level): what
-  gateways that see each other only through scrapes do to the threshold.
-
-During ``pools`` and ``pools-2gw`` a poller reads the speculative engine's own
-``vllm:num_requests_running`` every 50 ms: how often, and by how much, it ran
-more requests than the policy's threshold (4) lets a gateway send it. With one
-gateway that happens only by traffic from elsewhere; with two, each gateway
-counts the other's requests as of its last scrape (docs/sidecar-request-path.md),
-so bursts can overshoot by what the other sent within one scrape interval.
+  evenly between them (each gets half of each concurrency level, at least 1);
+* ``threshold-1gw`` and ``threshold-2gw`` — the error two gateways leave: one
+  gateway, then two with the traffic split, in front of the same two replicas
+  under a policy with one threshold and nothing else ("draft while its batch
+  is at most 4", every route, no exploration), so that every request the
+  speculative engine runs beyond 4 is one a gateway sent it by not yet seeing
+  the other's. A poller reads the speculative engine's own
+  ``vllm:num_requests_running`` every 50 ms: how often, and by how much, it ran
+  more than 4. Each gateway counts the other's requests as of its last scrape
+  (docs/sidecar-request-path.md), so bursts can overshoot by what the other
+  sent within one scrape interval.
 
 Each proxy gets its policy from a signed last-known-good bundle and talks to a
 stand-in control plane (``bench/cp_sink.py``); answers carry vLLM's
@@ -75,11 +77,17 @@ ROUTES = "extract=3,classify=2,chat=3,creative=2"
 LEVELS = (1, 2, 4, 8, 16)
 TESTBED_POLICY = ROOT / "policies" / "examples" / "testbed.yaml"
 CORPUS_SEED = 20261203
-ARMS = ("twin", "pools", "pools-2gw", "plain", "spec")
-THRESHOLD = 4  # the testbed policy's speculation threshold on chat and extract (batch_size <= 4)
+ARMS = ("twin", "pools", "pools-2gw", "threshold-1gw", "threshold-2gw", "plain", "spec")
+THRESHOLD = 4
+ONE_THRESHOLD = ("apiVersion: specgate/v1\nname: one-threshold\nengines:\n  base: {method: none}\n"
+                 "  draft: {method: draft_model, model: models/draft, num_speculative_tokens: 3}\n"
+                 f"rules:\n  - name: draft-with-room\n    when: {{batch_size: {{max: {THRESHOLD}}}}}\n"
+                 "    then: {engine: draft}\ndefault: {engine: base}\n")
+TWO_GATEWAYS = ("pools-2gw", "threshold-2gw")
 # The engines each arm runs, in an order that restarts as few as possible between arms.
 ARM_ENGINES: dict[str, tuple[str, ...]] = {"twin": ("base", "draft"), "pools": ("base", "draft"),
-                                           "pools-2gw": ("base", "draft"),
+                                           "pools-2gw": ("base", "draft"), "threshold-1gw": ("base", "draft"),
+                                           "threshold-2gw": ("base", "draft"),
                                            "spec": ("draft", "draft-2"), "plain": ("base", "base-2")}
 ALWAYS_BASE = "apiVersion: specgate/v1\nname: always-plain\nengines: {base: {method: none}}\ndefault: {engine: base}\n"
 ALWAYS_DRAFT = ("apiVersion: specgate/v1\nname: always-speculative\nengines:\n  base: {method: none}\n"
@@ -144,8 +152,9 @@ class Engines:
 def start_proxy(arm: str, urls: dict[str, str], sink: str, work: Path, log_dir: Path, instance: int = 1) -> Proc:
     from specgate.stack import engine_pools
 
-    policy = {"twin": testbed_policy(("base", "draft")), "plain": ALWAYS_BASE,
-              "spec": ALWAYS_DRAFT}.get(arm) or testbed_policy(("base", "draft"))
+    policy = {"twin": testbed_policy(("base", "draft")), "plain": ALWAYS_BASE, "spec": ALWAYS_DRAFT,
+              "threshold-1gw": ONE_THRESHOLD, "threshold-2gw": ONE_THRESHOLD}.get(arm) or testbed_policy(
+        ("base", "draft"))
     name = f"{arm}-{instance}"
     state = work / f"{name}-state"
     key = signed_state(state, policy)
@@ -286,7 +295,8 @@ def run(arms: Sequence[str], stage_s: float, levels: Sequence[int], seed: int, b
     report: dict[str, Any] = {"arms": {}, "stage_s": stage_s, "levels": list(levels), "seed": seed,
                               "routes": ROUTES, "machine": {"cpus": os.cpu_count(),
                                                             "load1_at_start": os.getloadavg()[0]}}
-    order = sorted(arms, key=lambda arm: ("twin", "pools", "pools-2gw", "spec", "plain").index(arm))
+    order = sorted(arms, key=lambda arm: ("twin", "pools", "pools-2gw", "threshold-1gw", "threshold-2gw", "spec",
+                                          "plain").index(arm))
     with tempfile.TemporaryDirectory(prefix="specgate-bench-pools-") as tmp:
         work = Path(tmp)
         logs = log_dir or work / "logs"
@@ -298,8 +308,8 @@ def run(arms: Sequence[str], stage_s: float, levels: Sequence[int], seed: int, b
                     print(f"arm {arm}: engines {', '.join(ARM_ENGINES[arm])}", flush=True)
                     urls = engines.want(ARM_ENGINES[arm])
                     proxies = [start_proxy(arm, urls, sink.url, work, logs, instance)
-                               for instance in range(1, 3 if arm == "pools-2gw" else 2)]
-                    poller = RunningPoller(urls["draft"]) if arm.startswith("pools") else None
+                               for instance in range(1, 3 if arm in TWO_GATEWAYS else 2)]
+                    poller = RunningPoller(urls["draft"]) if arm.startswith("threshold") else None
                     try:
                         for proxy in proxies:
                             wait_proxy(proxy)
