@@ -334,7 +334,10 @@ def test_the_control_plane_stops_mid_load_the_sidecar_serves_on_and_every_event_
         load.wait_for(n + 8)
         answers = load.stop()
     assert all(a.ok for a in answers), [(a.status, a.error) for a in answers if not a.ok]
-    during = [a for a in answers if down < a.sent_at and a.done_at < up]
+    # Served while no control plane ran: from the moment its process had exited. Between SIGTERM and that
+    # moment it drains (long-polls are cut after 5 s) and may still take a batch on a connection it serves, so
+    # a request sent then can be stored before the restart (seen once, 6.9 s before it, on 2 busy cores).
+    during = [a for a in answers if stopped < a.sent_at and a.done_at < up]
     assert len(during) >= 10
     for a in answers:  # served on the last-known-good policy throughout
         speculative = a.ask.route == "chat" and not a.ask.structured
