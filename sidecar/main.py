@@ -73,6 +73,8 @@ class Sidecar:
         self.sync = PolicySync(self.settings, self.store, in_flight=self._in_flight,
                                refused=getattr(metrics, "bundle_refused", None),
                                replicas=pools.report if pools is not None else None)
+        if pools is not None:
+            pools.on_change = self.sync.report_soon
 
     def _in_flight(self) -> int:
         inflight = getattr(self.app, "inflight", None)

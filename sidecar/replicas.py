@@ -69,7 +69,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -253,6 +253,9 @@ class Pools:
         self.probe_max_s = probe_max_s
         self.max_queue = max_queue
         self.affinity_slack = affinity_slack
+        # called when a replica is ejected or returns (the sidecar heartbeats at once, so the control plane and
+        # the dashboard see it within a round trip, not a heartbeat interval later)
+        self.on_change: Callable[[], None] | None = None
         # worker scope: the fresh running total of every replica that is not this sidecar's own traffic, and
         # until when it stays fresh; the hot path reads only these two
         self.total = 0
@@ -340,6 +343,14 @@ class Pools:
             log.warning("replica %s (%s) ejected after %d failures in a row (last: %s); probing /health in %.1f s",
                         replica.name, ", ".join(replica.engines), replica.failures, why, replica.backoff_s)
             self.wake_prober()
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # a listener must not fail the request that ejected the replica
+                log.exception("replica change listener failed")
 
     def report(self, now: float | None = None) -> list[dict[str, Any]]:
         """Per engine and replica, for heartbeats and ``/metrics``."""
@@ -424,7 +435,8 @@ class Pools:
             replica.failures = 0
             replica.returns += 1
             replica.backoff_s = 0.0
-            log.warning("replica %s (%s) is back: /health answered 200", replica.name, ", ".join(replica.engines))
+            log.warning("replica %s (%s) is back: /health answered", replica.name, ", ".join(replica.engines))
+            self._changed()
         else:
             # While one of its engines has no healthy replica left, every request to that engine fails or is
             # refused: finding it back soon matters more than sparing it probes, so the wait does not grow.

@@ -562,6 +562,10 @@ class PolicySync:
 
     # --- heartbeats -----------------------------------------------------------------------------
 
+    def report_soon(self) -> None:
+        """Heartbeat now rather than at the next interval (a replica was ejected or came back)."""
+        self._heartbeat_now.set()
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await self._registered.wait()

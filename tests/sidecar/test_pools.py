@@ -7,6 +7,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -322,6 +323,8 @@ def _dead_replica_comes_back(make_sidecar: SidecarFactory, loop_thread: LoopThre
                            probe_initial_s=0.2, probe_max_s=0.4,
                            bundle=policies.CompiledBundle(policies.BundlePayload(policies.Revision.of(plain))))
     replicas = sidecar.app.pools.replicas
+    changes: list[str] = []
+    sidecar.app.pools.on_change = lambda: changes.append("changed")  # the sidecar heartbeats at once on it
     # The live replica runs 3 requests from elsewhere, so the dead one (load 0) is the least loaded: the first
     # request tries it. The start-up scrape could not connect to it (one failure), the request is the second.
     wait_for(lambda: replicas[base.url].external == 3)
@@ -345,6 +348,7 @@ def _dead_replica_comes_back(make_sidecar: SidecarFactory, loop_thread: LoopThre
     wait_for(lambda: replicas[dead].healthy, timeout=3)
     assert replicas[dead].returns == 1
     assert base2.health_checks >= 1
+    assert changes == ["changed", "changed"]  # ejected, returned
     served = Counter(decision(chat(sidecar))["replica"] for _ in range(4))
     assert served == {replica_name(dead): 4}  # used again: the least loaded
 
@@ -532,3 +536,17 @@ def test_scraped_values_that_are_not_counts_are_ignored() -> None:
     for value in ("+Inf", "-1", "NaN", "1e400"):
         assert parse_engine_load(f"vllm:num_requests_running {value}\nvllm:num_requests_waiting {value}\n") == (
             None, None), value
+
+
+def test_the_sidecar_heartbeats_at_once_when_a_replica_is_ejected_or_returns(tmp_path: Path) -> None:
+    from sidecar.main import Sidecar
+    from sidecar.settings import SidecarSettings
+
+    sidecar = Sidecar(SidecarSettings(engines={"base": "http://127.0.0.1:1"}, key="sgk_x", state_dir=tmp_path),
+                      use_env_otel=False)
+    pool = sidecar.app.pools
+    assert pool.on_change == sidecar.sync.report_soon
+    assert not sidecar.sync._heartbeat_now.is_set()
+    for _ in range(3):
+        pool.failed(pool.replicas["http://127.0.0.1:1"], "connect_error")
+    assert sidecar.sync._heartbeat_now.is_set()
