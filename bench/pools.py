@@ -60,6 +60,7 @@ from typing import Any
 
 import yaml
 
+from bench.loadgen import percentile, tree_cpu_s
 from bench.proxy import (
     ROOT,
     WORKER_KEY,
@@ -71,6 +72,7 @@ from bench.proxy import (
     free_port,
     spawn,
     spawn_ready_line,
+    write_sidecar_state,
 )
 
 ROUTES = "extract=3,classify=2,chat=3,creative=2"
@@ -99,23 +101,6 @@ def testbed_policy(engines: Sequence[str]) -> str:
     from specgate.stack import fit_policy
 
     return yaml.safe_dump(fit_policy(yaml.safe_load(TESTBED_POLICY.read_text()), set(engines)), sort_keys=False)
-
-
-def signed_state(state_dir: Path, policy_text: str, pool: str = "bench") -> str:
-    """A signed last-known-good bundle of ``policy_text`` for ``pool``; returns the public key to trust."""
-    from policies import BundlePayload, Delivery, Revision, SigningKey, load_policy
-
-    key = SigningKey.generate()
-    envelope = key.sign(BundlePayload(Revision.of(load_policy(policy_text))), Delivery(pool=pool))
-    state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "bundle.json").write_text(json.dumps(envelope))
-    return key.public_key_b64
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of one process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Engines:
@@ -157,7 +142,7 @@ def start_proxy(arm: str, urls: dict[str, str], sink: str, work: Path, log_dir: 
         ("base", "draft"))
     name = f"{arm}-{instance}"
     state = work / f"{name}-state"
-    key = signed_state(state, policy)
+    key = write_sidecar_state(state, policy)
     port = free_port()
     argv = [_console_script("specgate"), "sidecar", "--kind", "worker" if arm == "twin" else "gateway",
             "--listen", f"127.0.0.1:{port}", "--state-dir", str(state), "--public-key", key, "--key", WORKER_KEY,
@@ -242,16 +227,6 @@ class RunningPoller:
                 "mean_over_when_over": round(statistics.mean(s - THRESHOLD for s in over), 2) if over else 0.0}
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def summarize_arm(outcomes: Sequence[Any], levels: Sequence[int], stage_s: float) -> dict[str, Any]:
     ok = [o for o in outcomes if o.error is None]
     by_level: dict[str, Any] = {}
@@ -260,7 +235,7 @@ def summarize_arm(outcomes: Sequence[Any], levels: Sequence[int], stage_s: float
         latencies = [o.latency_s * 1000 for o in mine]
         by_level[str(level)] = {
             "requests": len(mine), "requests_per_s": round(len(mine) / stage_s, 2),
-            "e2e_p50_ms": _round(_pct(latencies, 50)), "e2e_p95_ms": _round(_pct(latencies, 95)),
+            "e2e_p50_ms": _round(percentile(latencies, 50)), "e2e_p95_ms": _round(percentile(latencies, 95)),
             "speculated_share": _round(sum(1 for o in mine if o.engine not in (None, "base")) / len(mine), 3)
             if mine else None,
         }
@@ -313,10 +288,10 @@ def run(arms: Sequence[str], stage_s: float, levels: Sequence[int], seed: int, b
                     try:
                         for proxy in proxies:
                             wait_proxy(proxy)
-                        cpu0 = sum(cpu_seconds(proxy.pid) for proxy in proxies)
+                        cpu0 = sum(tree_cpu_s(proxy.pid) for proxy in proxies)
                         with poller or contextlib.nullcontext():
                             outcomes, elapsed = run_traffic([p.url for p in proxies], stage_s, levels, seed)
-                        cpu = sum(cpu_seconds(proxy.pid) for proxy in proxies) - cpu0
+                        cpu = sum(tree_cpu_s(proxy.pid) for proxy in proxies) - cpu0
                     finally:
                         for proxy in proxies:
                             _stop(proxy.process)

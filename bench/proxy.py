@@ -254,13 +254,15 @@ def _console_script(name: str) -> str:
     return found
 
 
-def write_sidecar_state(state_dir: Path) -> str:
-    """A signed last-known-good bundle of the seed policy; returns the public key to trust."""
+def write_sidecar_state(state_dir: Path, policy_text: str | None = None) -> str:
+    """A signed last-known-good bundle of ``policy_text`` (the seed policy by default); returns the public key to
+    trust."""
     from policies import BundlePayload, Delivery, Revision, SigningKey, load_policy
 
     key = SigningKey.generate()
+    text = SEED.read_text() if policy_text is None else policy_text
     # Bound to the sidecar's pool ("bench"), or it refuses the bundle as another pool's.
-    envelope = key.sign(BundlePayload(Revision.of(load_policy(SEED.read_text()))), Delivery(pool="bench"))
+    envelope = key.sign(BundlePayload(Revision.of(load_policy(text))), Delivery(pool="bench"))
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "bundle.json").write_text(json.dumps(envelope))
     return key.public_key_b64
