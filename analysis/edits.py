@@ -18,7 +18,7 @@ from typing import Any
 from policies import PolicyDocument, validate_data
 
 Doc = dict[str, Any]
-EDIT_KINDS = ("set_batch_max", "exclude_route", "set_k", "set_engine_k", "set_engine")
+EDIT_KINDS = ("set_batch_max", "exclude_route", "set_k", "set_engine_k", "set_engine", "plain_only")
 
 
 def _speculative_engines(doc: Doc) -> set[str]:
@@ -151,6 +151,18 @@ def set_engine(doc: Doc, route: str, engine: str) -> Doc:
     return out
 
 
+def plain_only(doc: Doc) -> Doc:
+    """Speculate on nothing: no rules, the plain engine by default.
+
+    The engines and the exploration stay, so the switchback windows keep measuring what speculating
+    would do, and a later recommendation can bring it back where it pays.
+    """
+    out = copy.deepcopy(doc)
+    out["rules"] = []
+    out["default"] = {"engine": _plain_engine(out)}
+    return out
+
+
 def apply_edit(doc: Doc, edit: dict[str, Any]) -> tuple[Doc, PolicyDocument]:
     """Apply ``{"kind": ..., "route": ..., <value>}`` and validate; raises ValueError or PolicyValidationError."""
     kind = edit["kind"]
@@ -165,6 +177,8 @@ def apply_edit(doc: Doc, edit: dict[str, Any]) -> tuple[Doc, PolicyDocument]:
         out = set_engine_k(doc, str(edit["engine"]), int(edit["k"]))
     elif kind == "set_engine":
         out = set_engine(doc, route, str(edit["engine"]))
+    elif kind == "plain_only":
+        out = plain_only(doc)
     else:
         raise ValueError(f"unknown edit {kind!r}")
     return out, validate_data(out)

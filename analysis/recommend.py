@@ -5,21 +5,42 @@ normal form, its revision id and a list of :class:`~analysis.cells.Cell`
 (from the rollups, or from a file of recorded statistics) and it returns the
 recommendations, each with its evidence, expected effect and confidence.
 
+Which measure decides: what clients feel first. A cell's verdict reads the
+first of ``RecommendConfig.measures`` (end-to-end latency, then inter-token
+latency) that has ``min_samples`` requests in both cohorts; every evidence row
+and recommendation names it (``measure``). Inter-token latency stays in the
+tables as the mechanism view. With exploration in time windows
+(``exploration.window_s``), both cohorts of a cell ran under one regime per
+window, so a cell's end-to-end latency includes what the other engines' work
+cost it.
+
+The whole worker: given a switchback comparison
+(:mod:`analysis.switchback`), when the policy's windows speculate more than
+the explored ones and clients fared worse in them with confidence, the
+recommender proposes ``stop_speculating`` (edit ``plain_only``: "do not
+speculate on this pool"), naming the measure that drove it, and proposes
+nothing else but quality flags: it covers the route edits, and nothing that widens speculation (raise a
+threshold, change K, switch method) is proposed on per-request figures the whole worker contradicts.
+
 What it proposes, per route:
 
 - ``raise_threshold`` / ``lower_threshold``: speculate up to the largest
   batch-size bucket where speculation still wins with confidence (the
-  interval of plain/speculative inter-token latency lies above 1), walking up
+  interval of plain/speculative latency lies above 1), walking up
   from the smallest bucket and stopping at the first bucket where it loses
   with confidence. A raise needs every bucket it adds to win; a lower is
   proposed when a bucket the policy speculates in loses, and goes down to the
   largest winning bucket below it (just below the loss when none wins).
 - ``exclude_route``: speculation loses with confidence and wins nowhere, or
   the measured acceptance is below the guardrail's minimum with confidence.
-- ``change_k``: the Leviathan formula with the measured acceptance prefers
-  another draft length by at least 5 %.
-- ``switch_method``: two speculative engines ran on the route and one is
-  faster with confidence.
+- ``change_k``: measured first: another engine of the same method,
+  configured with another draft length, ran the route and is faster with
+  confidence (edit: send the route there); else the Leviathan formula with the
+  measured acceptance prefers another draft length by at least 5 % (low
+  confidence, measure ``leviathan``: not measured, so an autopilot at medium
+  confidence or above never applies it).
+- ``switch_method``: a speculative engine of another method ran on the route
+  and is faster with confidence.
 - ``quality_risk`` (a flag, nothing to apply): retries or structured-output
   failures are higher on the speculative path with confidence.
 
@@ -51,7 +72,8 @@ from analysis.stats import (
     leviathan_speedup,
     welch_ratio,
 )
-from policies import RequestShape, compile_policy, validate_data
+from analysis.switchback import EXPLORED_BETTER, MEASURES, SwitchbackResult
+from policies import PolicyDocument, RequestShape, compile_policy, validate_data
 from policies.model import Engine, PlainEngine, engine_k
 
 INSUFFICIENT = "insufficient evidence"
@@ -65,6 +87,12 @@ class RecommendConfig:
     min_gain: float = 0.05  # smallest theoretical gain worth a k change
     cost_ratio: float | None = None  # draft/target cost; None: by method (stats.DEFAULT_COST_RATIO)
     max_k: int = 8
+    # The measures a verdict may rest on, client-side first; the first with min_samples in both cohorts decides.
+    measures: tuple[str, ...] = ("e2e", "itl")
+
+
+MEASURE_LABELS = {"e2e": "end-to-end latency", "itl": "inter-token latency", "ttft": "time to first token"}
+WIDENING = frozenset({"raise_threshold", "change_k", "switch_method"})
 
 
 @dataclass(slots=True)
@@ -80,12 +108,13 @@ class Recommendation:
     message: str
     applicable: bool = True
     problems: list[dict[str, Any]] = field(default_factory=list)
+    measure: str | None = None  # what drove it: e2e, itl, requests_per_s, acceptance, ...; None for a flag
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "route": self.route, "title": self.title, "edit": self.edit,
                 "confidence": self.confidence, "expected_effect": self.expected_effect,
                 "evidence": self.evidence, "message": self.message, "applicable": self.applicable,
-                "problems": self.problems}
+                "problems": self.problems, "measure": self.measure}
 
 
 def recommendation_id(policy: str, revision: str, kind: str, route: str, edit: Mapping[str, Any] | None) -> str:
@@ -106,13 +135,23 @@ def _ratio_dict(r: RatioEstimate | None) -> dict[str, Any] | None:
             "n_plain": r.n_a, "n_speculative": r.n_b, "confidence": r.confidence}
 
 
+def cell_measure(cell: Cell, cfg: RecommendConfig) -> str:
+    """The first of ``cfg.measures`` measured on ``min_samples`` requests of both cohorts (else the last)."""
+    for metric in cfg.measures:
+        est = cell.speedup(metric, cfg.confidence)
+        if est is not None and est.n_a >= cfg.min_samples and est.n_b >= cfg.min_samples:
+            return metric
+    return cfg.measures[-1]
+
+
 def verdict(cell: Cell, cfg: RecommendConfig) -> tuple[str, RatioEstimate | None]:
-    """``wins`` / ``loses`` / ``insufficient evidence`` for speculation in one cell, on inter-token latency.
+    """``wins`` / ``loses`` / ``insufficient evidence`` for speculation in one cell, on its
+    :func:`cell_measure` (end-to-end latency where it is measured).
 
     The faster cohort must not be the one its clients left markedly more often (their slow answers are
     missing from its latencies): then ``confounded by disconnects``.
     """
-    est = cell.speedup("itl", cfg.confidence)
+    est = cell.speedup(cell_measure(cell, cfg), cfg.confidence)
     if est is None or est.n_a < cfg.min_samples or est.n_b < cfg.min_samples:
         return INSUFFICIENT, est
     if est.above_one:
@@ -141,13 +180,19 @@ def theory(cell: Cell, cfg: RecommendConfig) -> dict[str, Any] | None:
 
 def cell_report(cell: Cell, cfg: RecommendConfig) -> dict[str, Any]:
     """One row of the speedup table (and of a recommendation's evidence)."""
-    word, itl = verdict(cell, cfg)
+    word, _ = verdict(cell, cfg)
+    itl = cell.speedup("itl", cfg.confidence)
     e2e = cell.speedup("e2e", cfg.confidence)
+    ttft = cell.speedup("ttft", cfg.confidence)
     return {
         "route": cell.route, "batch_bucket": cell.batch_bucket, "batch_range": batch_bucket_label(cell.batch_bucket),
         "source": cell.source, "engine": cell.engine, "method": cell.method, "k": cell.k,
         "n_speculative": cell.speculative.requests, "n_plain": cell.plain.requests,
-        "itl_speedup": _ratio_dict(itl), "e2e_speedup": _ratio_dict(e2e), "verdict": word,
+        "measure": cell_measure(cell, cfg), "e2e_speedup": _ratio_dict(e2e), "ttft_speedup": _ratio_dict(ttft),
+        "itl_speedup": _ratio_dict(itl), "verdict": word,
+        "e2e_ms_p50": {"speculative": cell.speculative.quantile("e2e", 0.5), "plain": cell.plain.quantile("e2e", 0.5)},
+        "e2e_ms_p95": {"speculative": cell.speculative.quantile("e2e", 0.95),
+                       "plain": cell.plain.quantile("e2e", 0.95)},
         "itl_ms_p50": {"speculative": cell.speculative.quantile("itl", 0.5), "plain": cell.plain.quantile("itl", 0.5)},
         "client_disconnects": {"speculative": cell.speculative.client_disconnects,
                                "plain": cell.plain.client_disconnects},
@@ -198,7 +243,7 @@ def _share(cells: Sequence[Cell], buckets: set[int]) -> float:
 
 
 def _mean_speedup(cells: Sequence[Cell], buckets: set[int], cfg: RecommendConfig) -> float | None:
-    ests = [(c.speculative.requests + c.plain.requests, c.speedup("itl", cfg.confidence))
+    ests = [(c.speculative.requests + c.plain.requests, c.speedup(cell_measure(c, cfg), cfg.confidence))
             for c in cells if c.batch_bucket in buckets]
     pairs = [(w, e.ratio) for w, e in ests if e is not None and w > 0]
     if not pairs:
@@ -240,6 +285,7 @@ class _RouteFacts:
     route: str
     cells: list[Cell]  # by batch-size bucket
     verdicts: dict[int, tuple[str, RatioEstimate | None]]
+    measures: dict[int, str]  # bucket -> the measure its verdict read
     evidence: dict[str, Any]  # the speedup table, shared by the route's recommendations
     spec_now: dict[int, bool]  # bucket -> whether the policy speculates there
     current: int | None  # the policy's threshold (see _threshold)
@@ -255,10 +301,20 @@ class _RouteFacts:
         return self.verdicts.get(bucket, (INSUFFICIENT, None))[0]
 
     def recommendation(self, kind: str, title: str, edit: dict[str, Any] | None, confidence: str,
-                       expected_effect: dict[str, Any], evidence: dict[str, Any], message: str) -> Recommendation:
+                       expected_effect: dict[str, Any], evidence: dict[str, Any], message: str,
+                       measure: str | None = None) -> Recommendation:
         """A recommendation for this route, named by the policy, revision, kind, route and edit."""
         rid = recommendation_id(self.policy, self.revision, kind, self.route, edit)
-        return Recommendation(rid, kind, self.route, title, edit, confidence, expected_effect, evidence, message)
+        return Recommendation(rid, kind, self.route, title, edit, confidence, expected_effect, evidence, message,
+                              measure=measure)
+
+    def measure_of(self, buckets: Sequence[int]) -> str | None:
+        """The measure the verdicts of ``buckets`` read: the client-side one when any of them read it."""
+        found = {self.measures[b] for b in buckets if b in self.measures}
+        return next((m for m in ("e2e", "ttft", "itl") if m in found), None)
+
+    def label(self, buckets: Sequence[int]) -> str:
+        return MEASURE_LABELS.get(self.measure_of(buckets) or "itl", "latency")
 
     def main_speculative_cell(self) -> Cell | None:
         """The cell with the most speculative requests among those that know their draft length."""
@@ -270,12 +326,13 @@ def _route_facts(policy: str, revision: str, route: str, cells: Sequence[Cell],
                  speculates: Mapping[tuple[str, int], bool], cfg: RecommendConfig) -> _RouteFacts:
     route_cells = sorted(cells, key=lambda c: c.batch_bucket)
     verdicts = {c.batch_bucket: verdict(c, cfg) for c in route_cells}
+    measures = {c.batch_bucket: cell_measure(c, cfg) for c in route_cells}
     spec_now = {lower: speculates[(route, lower)] for lower in BATCH_BUCKETS}
     spec_all = Cohort()
     for c in route_cells:
         spec_all.add(c.speculative)
     return _RouteFacts(
-        policy=policy, revision=revision, route=route, cells=route_cells, verdicts=verdicts,
+        policy=policy, revision=revision, route=route, cells=route_cells, verdicts=verdicts, measures=measures,
         evidence={"buckets": [cell_report(c, cfg) for c in route_cells]},
         spec_now=spec_now, current=_threshold(spec_now),
         wins=[b for b, (v, _) in verdicts.items() if v == "wins"],
@@ -283,8 +340,9 @@ def _route_facts(policy: str, revision: str, route: str, cells: Sequence[Cell],
 
 
 def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
-              cfg: RecommendConfig | None = None) -> list[Recommendation]:
-    """Recommendations for a policy (its normal form) from per-bucket statistics; pure."""
+              cfg: RecommendConfig | None = None, switchback: SwitchbackResult | None = None) -> list[Recommendation]:
+    """Recommendations for a policy (its normal form) from per-bucket statistics and, when the policy
+    explores in time windows, the whole worker's switchback comparison; pure."""
     cfg = cfg or RecommendConfig()
     doc = validate_data(document)
     by_route: dict[str, list[Cell]] = defaultdict(list)
@@ -295,7 +353,42 @@ def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
     for route in sorted(by_route):
         facts = _route_facts(doc.name, revision, route, by_route[route], speculates, cfg)
         out += _route_recommendations(facts, doc.guardrails.min_acceptance_rate, doc.engines, cfg)
-    return out
+    if switchback is None or switchback.verdict != EXPLORED_BETTER:
+        return out
+    # Clients fared worse in the windows that speculated more: nothing that widens speculation is proposed,
+    # whatever the per-request figures say (they cannot see what one engine's work costs the others).
+    speculation_loses = switchback.policy_speculates_more
+    if not speculation_loses:
+        return out
+    kept = [r for r in out if r.kind not in WIDENING]
+    stop = _stop_speculating(doc, revision, switchback)
+    return kept if stop is None else [stop, *[r for r in kept if r.edit is None]]
+
+
+def _stop_speculating(doc: PolicyDocument, revision: str, sb: SwitchbackResult) -> Recommendation | None:
+    """``plain_only`` when the policy speculates somewhere and its windows served clients worse."""
+    policy = doc.name
+    default_speculates = not isinstance(doc.engines[doc.default.engine], PlainEngine)
+    if not default_speculates and all(isinstance(doc.engines[r.then.engine], PlainEngine) for r in doc.rules):
+        return None
+    driver = sb.driver or "e2e"
+    label = next(m.label for m in MEASURES if m.name == driver)
+    est = sb.estimates[driver]
+    assert est is not None  # a verdict names a measured driver
+    edit = {"kind": "plain_only"}
+    share = sb.speculated_share
+    return Recommendation(
+        recommendation_id(policy, revision, "stop_speculating", "*", edit), "stop_speculating", "*",
+        f"do not speculate: policy {policy!r} sends every request to the plain engine", edit,
+        "high" if sb.pairs >= 12 else "medium",
+        {"text": "every request runs on the plain engine; exploration keeps measuring speculation in its windows",
+         "policy_advantage": {m: None if e is None else round(e.ratio, 4) for m, e in sb.estimates.items()}},
+        {"switchback": sb.to_dict()},
+        f"Stop speculating: in the policy's windows (speculated share {share['policy'] or 0:.0%}) clients got a "
+        f"worse {label} than in the explored windows (speculated share {share['explored'] or 0:.0%}): the "
+        f"policy's advantage is {est.ratio:.2f} ({est.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}) "
+        f"over {sb.pairs} switchback pairs of {sb.window_s:g} s windows.",
+        measure=driver)
 
 
 def _route_recommendations(facts: _RouteFacts, min_acceptance: float | None, engines: Mapping[str, Engine],
@@ -309,7 +402,7 @@ def _route_recommendations(facts: _RouteFacts, min_acceptance: float | None, eng
     lowered = _lower_threshold(facts, cfg)
     if lowered is not None:
         return [lowered]
-    found = (_raise_threshold(facts, cfg), _change_k(facts, engines, cfg), _switch_method(facts, cfg),
+    found = (_raise_threshold(facts, cfg), _change_k(facts, engines, cfg), _switch_method(facts, engines, cfg),
                  _quality_risk(facts, cfg))
     return [r for r in found if r is not None]
 
@@ -334,18 +427,19 @@ def _exclude_route(facts: _RouteFacts, min_acc: float | None, cfg: RecommendConf
         return None
     why = (f"acceptance {acceptance:.3f} (interval up to {acc_high:.3f}) is below the guardrail "
            f"minimum {min_acc}" if low_acceptance and acceptance is not None
-           else f"speculation is slower with confidence in bucket(s) "
+           else f"speculation is slower ({facts.label(loses)}) with confidence in bucket(s) "
                 f"{', '.join(batch_bucket_label(b) for b in loses)} and faster in none")
     ests = [facts.verdicts[b][1] for b in loses]
     return facts.recommendation(
         "exclude_route", f"exclude route {route!r} from speculation",
         {"kind": "exclude_route", "route": route}, _confidence(ests, cfg) if loses else "medium",
-        {"itl_change": None if not loses else round(1 / (_mean_speedup(facts.cells, set(loses), cfg) or 1), 4),
+        {"latency_change": None if not loses else round(1 / (_mean_speedup(facts.cells, set(loses), cfg) or 1), 4),
          "share_of_route_traffic": round(_share(facts.cells, set(loses)), 4),
          "text": "the route's requests run on the plain engine"},
         {**facts.evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
          "min_acceptance_rate": min_acc},
-        f"Exclude route {route!r}: {why}.")
+        f"Exclude route {route!r}: {why}.",
+        "acceptance" if low_acceptance else facts.measure_of(loses))
 
 
 # --- batch-size threshold -----------------------------------------------------------------------------
@@ -359,9 +453,10 @@ def _threshold_recommendation(kind: str, facts: _RouteFacts, current: int, new_m
         kind, f"{verb} route {facts.route!r}'s batch threshold to {new_max}",
         {"kind": "set_batch_max", "route": facts.route, "batch_max": new_max}, _confidence(ests, cfg),
         {"batch_max": {"from": current, "to": new_max},
-         "itl_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
+         "latency_change_in_affected_buckets": None if sp is None else round(1 / sp, 4),
+         "measure": facts.measure_of(sorted(affected)),
          "share_of_route_traffic": round(_share(facts.cells, affected), 4)},
-        facts.evidence, message)
+        facts.evidence, message, facts.measure_of(sorted(affected)))
 
 
 def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation | None:
@@ -388,7 +483,7 @@ def _lower_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation
         "lower_threshold", facts, current, new_max, dropped, ests, cfg,
         f"Lower route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
         f"slower with confidence from batch size {batch_bucket_label(first_loss)} "
-        f"(plain/speculative ITL {loss.ratio:.2f}, "  # type: ignore[union-attr]
+        f"(plain/speculative {facts.label([first_loss])} {loss.ratio:.2f}, "  # type: ignore[union-attr]
         f"{cfg.confidence:.0%} interval {loss.low:.2f}-"  # type: ignore[union-attr]
         f"{loss.high:.2f})"  # type: ignore[union-attr]
         + ("" if not unclear else
@@ -422,12 +517,18 @@ def _raise_threshold(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation
         "raise_threshold", facts, current, new_max, added, ests, cfg,
         f"Raise route {route!r}'s batch threshold from {current} to {new_max}: speculation is "
         f"faster with confidence up to batch size {batch_bucket_label(target)} "
-        f"(plain/speculative ITL {', '.join(f'{verdicts[b][1].ratio:.2f}' for b in sorted(added))}).")  # type: ignore[union-attr]
+        f"(plain/speculative {facts.label(sorted(added))} "
+        f"{', '.join(f'{verdicts[b][1].ratio:.2f}' for b in sorted(added))}).")  # type: ignore[union-attr]
 
 
 # --- draft length -------------------------------------------------------------------------------------
 
 def _change_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendConfig) -> Recommendation | None:
+    """Measured first (:func:`_measured_k`: engines with another K that ran the route); else the formula."""
+    if facts.speculating:
+        measured = _measured_k(facts, engines, cfg)
+        if measured is not None:
+            return measured
     route, spec_all = facts.route, facts.spec_all
     acceptance = spec_all.acceptance_rate
     main = facts.main_speculative_cell()
@@ -454,42 +555,113 @@ def _change_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendC
         {**facts.evidence, "acceptance": acceptance, "spec_reported": spec_all.spec_reported,
          "cost_ratio": ratio, "method": main.method},
         f"Change k {where} from {k_now} to {best}: with measured acceptance "
-        f"{acceptance:.3f} the expected speedup moves from {scores[k_now]:.2f} to {scores[best]:.2f}.")
+        f"{acceptance:.3f} the expected speedup moves from {scores[k_now]:.2f} to {scores[best]:.2f}.",
+        "leviathan")
+
+
+# --- engines measured side by side -------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _EngineEvidence:
+    """The route's speculative engines measured on one measure: the first of cfg.measures with min_samples
+    requests on two engines."""
+
+    metric: str
+    moments: dict[str, Any]
+    cohorts: dict[str, Cohort]
+
+    def table(self) -> dict[str, Any]:
+        return {n: {"requests": c.requests, "e2e_p50": c.quantile("e2e", .5), "itl_p50": c.quantile("itl", .5),
+                    "acceptance_rate": c.acceptance_rate, "client_disconnects": c.client_disconnects,
+                    "client_disconnect_rate": c.client_disconnect_rate} for n, c in sorted(self.cohorts.items())}
+
+
+def _engine_evidence(facts: _RouteFacts, cfg: RecommendConfig) -> _EngineEvidence | None:
+    cohorts: dict[str, Cohort] = defaultdict(Cohort)
+    for cell in facts.cells:
+        for name, cohort in cell.engines.items():
+            cohorts[name].add(cohort)
+    for metric in cfg.measures:
+        counted = {n: c for n, c in cohorts.items()
+                   if (c.itl_count if metric == "itl" else c.requests) >= cfg.min_samples}
+        usable = {n: m for n, c in counted.items() if (m := c.moments(metric)) is not None}
+        if len(usable) >= 2:
+            return _EngineEvidence(metric, usable, dict(cohorts))
+    return None
+
+
+def _faster(facts: _RouteFacts, evidence: _EngineEvidence, others: Sequence[str],
+            cfg: RecommendConfig) -> tuple[str, str, RatioEstimate] | None:
+    """(current engine, the first of ``others`` faster than it with confidence, current/other)."""
+    main = facts.main_speculative_cell()
+    current = main.engine if main is not None else None
+    if current is None or current not in evidence.moments:
+        return None
+    for other in sorted(others):
+        if other == current or other not in evidence.moments:
+            continue
+        est = welch_ratio(evidence.moments[current], evidence.moments[other], cfg.confidence)
+        if est.above_one and not more_disconnects(evidence.cohorts[other], evidence.cohorts[current],
+                                                  cfg.confidence):
+            return current, other, est
+    return None
+
+
+def _method_of(engine: Engine | None) -> str:
+    return "none" if engine is None or isinstance(engine, PlainEngine) else engine.method
+
+
+def _measured_k(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendConfig) -> Recommendation | None:
+    """Another engine of the same method, configured with another K, measured faster on this route."""
+    evidence = _engine_evidence(facts, cfg)
+    main = facts.main_speculative_cell()
+    if evidence is None or main is None or main.engine is None or main.engine not in engines:
+        return None
+    method, k_now = _method_of(engines[main.engine]), engine_k(engines[main.engine])
+    siblings = [n for n in evidence.moments if n in engines and _method_of(engines[n]) == method
+                and engine_k(engines[n]) != k_now]
+    found = _faster(facts, evidence, siblings, cfg)
+    if found is None:
+        return None
+    current, other, est = found
+    k_new = engine_k(engines[other])
+    label = MEASURE_LABELS.get(evidence.metric, evidence.metric)
+    return facts.recommendation(
+        "change_k", f"draft {k_new} tokens instead of {k_now} on route {facts.route!r} (engine {other!r})",
+        {"kind": "set_engine", "route": facts.route, "engine": other}, _confidence([est], cfg),
+        {"measured_speedup": _ratio_dict(est), "k": {"from": k_now, "to": k_new}, "measure": evidence.metric,
+         "text": f"measured: the route's requests on both engines, {label}"},
+        {**facts.evidence, "engines": evidence.table()},
+        f"Draft {k_new} tokens instead of {k_now} on route {facts.route!r}: on engine {other!r} ({method}, K "
+        f"{k_new}) its {label} is lower than on {current!r} (K {k_now}) by a factor {est.ratio:.2f} "
+        f"({cfg.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}).", evidence.metric)
 
 
 # --- method -------------------------------------------------------------------------------------------
 
-def _switch_method(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation | None:
+def _switch_method(facts: _RouteFacts, engines: Mapping[str, Engine], cfg: RecommendConfig) -> Recommendation | None:
+    """Another speculative method measured faster on this route (an engine of the same method with another K
+    is a draft-length change, :func:`_measured_k`)."""
     route = facts.route
-    engines: dict[str, Cohort] = defaultdict(Cohort)
-    for cell in facts.cells:
-        for name, cohort in cell.engines.items():
-            engines[name].add(cohort)
-    measured = {n: c.moments("itl") for n, c in engines.items() if c.itl_count >= cfg.min_samples}
-    usable = {n: m for n, m in measured.items() if m is not None}
-    if not facts.speculating or len(usable) < 2:
-        return None
+    evidence = _engine_evidence(facts, cfg)
     main = facts.main_speculative_cell()
-    current_engine = main.engine if main is not None else None
-    if current_engine not in usable:
+    if not facts.speculating or evidence is None or main is None:
         return None
-    for other, m in sorted(usable.items()):
-        if other == current_engine:
-            continue
-        est = welch_ratio(usable[current_engine], m, cfg.confidence)  # current / other
-        if est.above_one and not more_disconnects(engines[other], engines[current_engine], cfg.confidence):
-            return facts.recommendation(
-                "switch_method", f"switch route {route!r} to engine {other!r}",
-                {"kind": "set_engine", "route": route, "engine": other}, _confidence([est], cfg),
-                {"itl_ratio_current_over_new": _ratio_dict(est)},
-                {**facts.evidence, "engines": {n: {"requests": c.requests, "itl_p50": c.quantile("itl", .5),
-                                                   "acceptance_rate": c.acceptance_rate,
-                                                   "client_disconnects": c.client_disconnects,
-                                                   "client_disconnect_rate": c.client_disconnect_rate}
-                                               for n, c in sorted(engines.items())}},
-                f"Switch route {route!r} from {current_engine!r} to {other!r}: its ITL is lower by a "
-                f"factor {est.ratio:.2f} ({cfg.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}).")
-    return None
+    method = _method_of(engines.get(main.engine or ""))
+    others = [n for n in evidence.moments if _method_of(engines.get(n)) != method or n not in engines]
+    found = _faster(facts, evidence, others, cfg)
+    if found is None:
+        return None
+    current_engine, other, est = found
+    label = MEASURE_LABELS.get(evidence.metric, evidence.metric)
+    return facts.recommendation(
+        "switch_method", f"switch route {route!r} to engine {other!r}",
+        {"kind": "set_engine", "route": route, "engine": other}, _confidence([est], cfg),
+        {"ratio_current_over_new": _ratio_dict(est), "measure": evidence.metric},
+        {**facts.evidence, "engines": evidence.table()},
+        f"Switch route {route!r} from {current_engine!r} to {other!r}: its {label} is lower by a "
+        f"factor {est.ratio:.2f} ({cfg.confidence:.0%} interval {est.low:.2f}-{est.high:.2f}).",
+        evidence.metric)
 
 
 # --- quality risk -------------------------------------------------------------------------------------
@@ -519,7 +691,7 @@ def _quality_risk(facts: _RouteFacts, cfg: RecommendConfig) -> Recommendation | 
          "structured_validity": {"speculative": spec_all.structured_validity,
                                  "plain": plain_all.structured_validity},
          "requests": {"speculative": spec_all.requests, "plain": plain_all.requests}},
-        f"Quality risk on route {route!r}: {'; '.join(risks)}.")
+        f"Quality risk on route {route!r}: {'; '.join(risks)}.", "quality")
 
 
 def engine_facts(document: Mapping[str, Any]) -> dict[str, tuple[str, int]]:

@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 from apiclient.models import (
     AppliedRecommendation,
     AuditPage,
+    Autopilot,
     BeforeAfter,
     Cells,
     Diff,
@@ -41,6 +42,7 @@ from apiclient.models import (
     RollupReport,
     SpeedupReport,
     SummaryReport,
+    Switchback,
     WhatIf,
     WhoAmI,
     WorkerPage,
@@ -154,9 +156,12 @@ SPEEDUPS = Endpoint("GET", "/v1/analysis/speedups", SpeedupReport,
 BEFORE_AFTER = Endpoint("GET", "/v1/analysis/before-after", BeforeAfter,
                         query=("rollout", "policy", "from_revision", "to_revision", "from", "to"))
 CELLS = Endpoint("GET", "/v1/analysis/cells", Cells, query=("policy", "from", "to"))
+SWITCHBACK = Endpoint("GET", "/v1/analysis/switchback", Switchback, query=("policy", "from", "to", "confidence"))
 WHAT_IF = Endpoint("POST", "/v1/analysis/what-if", WhatIf)
 RECOMMENDATIONS = Endpoint("GET", "/v1/recommendations", RecommendationList,
                            query=("policy", "from", "to", "min_samples"))
+AUTOPILOT = Endpoint("GET", "/v1/policies/{name}/autopilot", Autopilot)
+SET_AUTOPILOT = Endpoint("PUT", "/v1/policies/{name}/autopilot", Autopilot)
 APPLY_RECOMMENDATION = Endpoint("POST", "/v1/recommendations/{recommendation_id}/apply", AppliedRecommendation,
                                 ok=(201,), query=("policy", "from", "to", "min_samples"))
 
@@ -316,6 +321,10 @@ def cells(policy: str, *, since: When = None, until: When = None) -> Call[Cells]
     return CELLS(params={"policy": policy, **_window(since, until)})
 
 
+def switchback(policy: str, *, since: When = None, until: When = None) -> Call[Switchback]:
+    return SWITCHBACK(params={"policy": policy, **_window(since, until)})
+
+
 def what_if(policy: str, *, revision: str | None = None, document: Mapping[str, Any] | None = None,
             since: When = None, until: When = None) -> Call[WhatIf]:
     """Scores a stored revision, or a candidate document, on the recorded window."""
@@ -326,6 +335,16 @@ def what_if(policy: str, *, revision: str | None = None, document: Mapping[str, 
 def recommendations(policy: str, *, since: When = None, until: When = None,
                     min_samples: int | None = None) -> Call[RecommendationList]:
     return RECOMMENDATIONS(params={"policy": policy, **_window(since, until), "min_samples": min_samples})
+
+
+def autopilot(policy: str) -> Call[Autopilot]:
+    return AUTOPILOT(name=policy)
+
+
+def set_autopilot(policy: str, setting: Mapping[str, Any]) -> Call[Autopilot]:
+    """Replaces the policy's autopilot setting (``enabled`` and the fields to set; the others take the API's
+    defaults)."""
+    return SET_AUTOPILOT(name=policy, body=dict(setting))
 
 
 def apply_recommendation(recommendation_id: str, policy: str, *, since: When = None, until: When = None,

@@ -365,6 +365,9 @@ class SpeedupRow(Answer):
     source: str
     n_speculative: int
     n_plain: int
+    measure: str  # what the verdict read: e2e where measured, else itl
+    e2e_speedup: SpeedupInterval | None
+    ttft_speedup: SpeedupInterval | None
     itl_speedup: SpeedupInterval | None
     verdict: str
     client_disconnects: dict[str, int]  # per cohort: speculative, plain
@@ -406,6 +409,7 @@ class Recommendation(Answer):
     message: str
     applicable: bool
     problems: list[dict[str, Any]]
+    measure: str | None  # what drove it (e2e, requests_per_s, itl, acceptance, leviathan, ...)
 
 
 class RecommendationList(Answer):
@@ -413,6 +417,17 @@ class RecommendationList(Answer):
     revision: str
     head: str | None  # what a draft made from one of them builds on: pass it to apply_recommendation
     recommendations: list[Recommendation]
+    switchback: dict[str, Any] | None  # the whole worker's comparison (see Switchback.comparison)
+
+
+class Switchback(Answer):
+    """The active revision's own time windows against its explored windows, on what clients felt."""
+
+    policy: str
+    revision: str
+    available: bool
+    reason: str | None
+    comparison: dict[str, Any] | None
 
 
 class AppliedRecommendation(Answer):
@@ -453,3 +468,35 @@ class WhatIf(Answer):
     all_routes: dict[str, Any]
     truncated: bool
     method: str
+
+
+# --- autopilot -----------------------------------------------------------------------------
+
+class AutopilotEvent(Answer):
+    at: dt.datetime
+    action: str
+    rollout_id: str | None
+    revision_id: str | None
+    detail: dict[str, Any]
+
+
+class Autopilot(Answer):
+    """A policy's autopilot: its setting, what its last look found and its history (newest first)."""
+
+    policy: str
+    enabled: bool
+    min_confidence: str
+    steps: list[float]
+    hold_s: float
+    min_samples: int
+    max_changes_per_day: int
+    kinds: list[str]
+    status: str
+    status_detail: str
+    rollout: str | None
+    changes_today: int
+    last_look_at: dt.datetime | None
+    updated_at: dt.datetime
+    updated_by: str
+    leader: bool | None
+    history: list[AutopilotEvent]

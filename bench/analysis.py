@@ -162,7 +162,7 @@ def measure(url: str, *, repeat: int) -> dict[str, Any]:
         for name, fn in ops.items():
             out[name] = timed(sessions, fn, repeat)
         with unit_of_work(sessions) as session:
-            _, recs, _ = service.list_recommendations(session, "default", start=None, end=None, cfg=cfg)
+            _, recs, _, _ = service.list_recommendations(session, "default", start=None, end=None, cfg=cfg)
         out["recommendations_found"] = [f"{r.kind}:{r.route}" for r in recs]
     finally:
         engine.dispose()

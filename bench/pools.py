@@ -134,17 +134,20 @@ class Engines:
         self.engines.stop(state_dir=self.state_dir)
 
 
-def start_proxy(arm: str, urls: dict[str, str], sink: str, work: Path, log_dir: Path, instance: int = 1) -> Proc:
+def start_proxy(arm: str, urls: dict[str, str], sink: str, work: Path, log_dir: Path, instance: int = 1, *,
+                policy: str | None = None, kind: str | None = None) -> Proc:
+    """The arm's proxy on a signed last-known-good bundle; ``policy`` and ``kind`` override the arm's own."""
     from specgate.stack import engine_pools
 
-    policy = {"twin": testbed_policy(("base", "draft")), "plain": ALWAYS_BASE, "spec": ALWAYS_DRAFT,
-              "threshold-1gw": ONE_THRESHOLD, "threshold-2gw": ONE_THRESHOLD}.get(arm) or testbed_policy(
+    policy = policy or {"twin": testbed_policy(("base", "draft")), "plain": ALWAYS_BASE, "spec": ALWAYS_DRAFT,
+                        "threshold-1gw": ONE_THRESHOLD, "threshold-2gw": ONE_THRESHOLD}.get(arm) or testbed_policy(
         ("base", "draft"))
+    kind = kind or ("worker" if arm == "twin" else "gateway")
     name = f"{arm}-{instance}"
     state = work / f"{name}-state"
     key = write_sidecar_state(state, policy)
     port = free_port()
-    argv = [_console_script("specgate"), "sidecar", "--kind", "worker" if arm == "twin" else "gateway",
+    argv = [_console_script("specgate"), "sidecar", "--kind", kind,
             "--listen", f"127.0.0.1:{port}", "--state-dir", str(state), "--public-key", key, "--key", WORKER_KEY,
             "--control-plane", sink, "--pool", "bench", "--worker-id", f"bench-{name}", "--log-level", "warning"]
     for engine, replicas in engine_pools(urls).items():
@@ -168,7 +171,8 @@ def wait_proxy(proc: Proc, timeout_s: float = 60.0) -> None:
     raise BenchError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.tail()}")
 
 
-def run_traffic(urls: Sequence[str], stage_s: float, levels: Sequence[int], seed: int) -> tuple[list[Any], float]:
+def run_traffic(urls: Sequence[str], stage_s: float, levels: Sequence[int], seed: int,
+                structured_share: float = 0.0) -> tuple[list[Any], float]:
     """The schedule against one proxy, or split evenly over several (each gets its share of each level; the
     seeds differ so that the proxies do not get the same requests)."""
     from sidecar.loadgen import LoadRun, build_plan, load_prompt_source
@@ -177,7 +181,8 @@ def run_traffic(urls: Sequence[str], stage_s: float, levels: Sequence[int], seed
     for i, url in enumerate(urls):
         shares = [max(1, level // len(urls)) for level in levels]
         plan = build_plan(url=url, routes=ROUTES, schedule=",".join(f"{c}:{stage_s:g}s" for c in shares),
-                          stream_share=0.3, structured_share=0.0, max_tokens=48, temperature=0.0, seed=seed + i,
+                          stream_share=0.3, structured_share=structured_share, max_tokens=48, temperature=0.0,
+                          seed=seed + i,
                           prompts=load_prompt_source("testbed.corpus", corpus_seed=CORPUS_SEED))
         runs.append(LoadRun(plan))
 

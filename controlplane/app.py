@@ -19,6 +19,8 @@ from controlplane.analysis.endpoints import router as analysis_router
 from controlplane.audit.endpoints import router as audit_router
 from controlplane.auth.endpoints import router as keys_router
 from controlplane.auth.endpoints import whoami_router
+from controlplane.autopilot.endpoints import router as autopilot_router
+from controlplane.autopilot.runner import run_autopilot
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.distribution.endpoints import router as distribution_router
 from controlplane.distribution.hub import ChangeHub
@@ -169,9 +171,16 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         evaluator: asyncio.Task[None] | None = None
         if settings.guardrail_interval_s > 0:
             evaluator = asyncio.create_task(run_evaluator(app, settings.guardrail_interval_s))
+        autopilot: asyncio.Task[None] | None = None
+        if settings.autopilot_interval_s > 0:
+            autopilot = asyncio.create_task(run_autopilot(app, settings.autopilot_interval_s))
         try:
             yield
         finally:
+            if autopilot is not None:
+                autopilot.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await autopilot
             if evaluator is not None:
                 evaluator.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -209,6 +218,6 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     for router in (health_router, keys_router, whoami_router, audit_router, policy_router, rollout_router,
-                   worker_router, distribution_router, telemetry_router, analysis_router):
+                   worker_router, distribution_router, telemetry_router, analysis_router, autopilot_router):
         app.include_router(router)
     return app

@@ -378,3 +378,43 @@ class GuardrailEvaluation(Base):
     baseline_requests: Mapped[int] = mapped_column(BigInteger)
     canary_requests: Mapped[int] = mapped_column(BigInteger)
     checks: Mapped[list[Any]] = mapped_column(JSON)
+
+
+# --- autopilot (controlplane/autopilot) ----------------------------------------------------------
+
+class Autopilot(Base):
+    """A policy's autopilot: its settings, and the rollout it runs now (at most one)."""
+
+    __tablename__ = "autopilots"
+
+    policy_id: Mapped[str] = mapped_column(String(32), ForeignKey("policies.id", ondelete="CASCADE"),
+                                           primary_key=True)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    min_confidence: Mapped[str] = mapped_column(String(16))  # low | medium | high
+    steps: Mapped[list[Any]] = mapped_column(JSON)
+    hold_s: Mapped[float] = mapped_column(Float)
+    min_samples: Mapped[int] = mapped_column(Integer)
+    max_changes_per_day: Mapped[int] = mapped_column(Integer)
+    kinds: Mapped[list[Any]] = mapped_column(JSON)
+    # No foreign key: a rollout is never deleted while its policy lives, and the look tolerates a missing one.
+    rollout_id: Mapped[str | None] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(32), default="idle")  # what the last look found (see service)
+    status_detail: Mapped[str] = mapped_column(Text, default="")
+    last_look_at: Mapped[dt.datetime | None] = mapped_column()
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_by: Mapped[str] = mapped_column(String(128))
+
+
+class AutopilotEvent(Base):
+    """What an autopilot did, with its evidence: its history (the audit log has the same actions)."""
+
+    __tablename__ = "autopilot_events"
+    __table_args__ = (Index("ix_autopilot_events_policy_at", "policy_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    policy_id: Mapped[str] = mapped_column(String(32), ForeignKey("policies.id", ondelete="CASCADE"))
+    at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    action: Mapped[str] = mapped_column(String(32))
+    rollout_id: Mapped[str | None] = mapped_column(String(32))
+    revision_id: Mapped[str | None] = mapped_column(String(64))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

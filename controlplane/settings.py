@@ -52,3 +52,9 @@ class ControlPlaneSettings(BaseSettings):
                                    description="false-alarm bound of a step's guardrails over all its looks")
     guardrail_auto_promote: bool = Field(default=False,
                                          description="promote a step whose guardrails all pass with confidence")
+    autopilot_interval_s: float = Field(default=30.0, ge=0, le=86400,
+                                        description="how often the leader looks at every enabled autopilot; 0 runs "
+                                        "no autopilot in this process (another replica may)")
+    autopilot_lock_key: int = Field(default=0x53470001, ge=-(2**63), le=2**63 - 1,
+                                    description="the PostgreSQL advisory lock that elects the one autopilot leader "
+                                    "among the control-plane replicas sharing a database")

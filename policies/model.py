@@ -227,6 +227,9 @@ class Guardrails(_Strict):
     """Limits a rollout step must respect; a breach rolls the step back."""
 
     max_p95_itl_regression: Annotated[float, Field(ge=0.0, le=10.0)] = 0.10
+    # What clients feel: the canary's end-to-end p95 against the baseline's. None, not a number: a document
+    # without it keeps its revision id, and its rollouts check the ITL limit on e2e as well (see analysis).
+    max_p95_e2e_regression: Annotated[float, Field(ge=0.0, le=10.0)] | None = None
     max_retry_rate_increase: Fraction = 0.02
     min_acceptance_rate: Fraction | None = None
     min_samples: Annotated[int, Field(ge=1, le=10_000_000)] = 200

@@ -416,7 +416,7 @@ class SidecarApp:
         for replica in self.pools.replicas.values():
             replica.upstream = Upstream(replica.url, connect_timeout_s=self.settings.upstream_connect_timeout_s,
                                         read_timeout_s=self.settings.upstream_read_timeout_s)
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0,
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0,
                                              ttl_dns_cache=300)
             replica.session = aiohttp.ClientSession(
                 connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,

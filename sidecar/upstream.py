@@ -19,6 +19,16 @@ late) and ``upstream_disconnected`` (closed early, or not HTTP).
 A connection goes back to the pool only when its response was read to the end
 and the engine allows keep-alive; anything else closes it, so the engine sees
 the client go away (vLLM aborts a generation whose connection closes).
+
+An idle connection is reused for 4 s at most: vLLM's server (uvicorn) closes
+idle keep-alive connections after 5 s, and a request written just as the
+engine closes its connection is lost. Should that race happen anyway (a
+clock, a busy engine), a request whose reused connection closed within
+``_RACE_S`` of the write and before a single byte of answer goes once more on
+a new connection: a close that late cannot be the engine having run it (a
+generation takes longer, and vLLM aborts one whose connection closes). A
+later close, or a new connection that closes unanswered, is the engine's
+failure (``upstream_disconnected``), never sent twice.
 """
 
 from __future__ import annotations
@@ -39,7 +49,10 @@ Headers = list[tuple[bytes, bytes]]
 
 # A streaming reader that falls this far behind stops reading from the engine until it catches up.
 _HIGH_WATER = 1 << 20
-_IDLE_KEEPALIVE_S = 60.0
+# Below uvicorn's 5 s keep-alive (vLLM's default): the engine never closes a connection we are about to reuse.
+_IDLE_KEEPALIVE_S = 4.0
+# A reused connection that closes this soon after the request was written, unanswered, lost the keep-alive race.
+_RACE_S = 0.25
 
 
 class UpstreamError(Exception):
@@ -77,6 +90,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.last_io = self.pool.loop.time()
+        response.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -145,7 +159,7 @@ class Response:
     """
 
     __slots__ = ("conn", "status", "headers", "chunks", "buffered", "complete", "keep_alive", "error", "waiter",
-                 "headers_ready", "done", "whole")
+                 "headers_ready", "done", "whole", "answered", "sent_at")
 
     def __init__(self, conn: _Connection) -> None:
         self.conn = conn
@@ -160,6 +174,8 @@ class Response:
         self.headers_ready = False
         self.done = False
         self.whole = False
+        self.answered = False  # a byte of the response arrived
+        self.sent_at = 0.0
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -284,29 +300,48 @@ class Upstream:
         """
         if self._closed:
             raise UpstreamError(FallbackReason.connect_error, "the client is closed")
-        conn = self._take_idle()
-        if conn is None:
-            conn = await self._connect()
-        self.busy.add(conn)
-        if self._sweeper is None:
-            self._arm_sweeper()
-        response = Response(conn)
         parts = [method, b" ", self.prefix, target, b" HTTP/1.1\r\nhost: ", self.host_header,
                  b"\r\ncontent-length: %d\r\n" % len(body)]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         parts += (b"\r\n", body)
-        conn.send(response, b"".join(parts))
-        while not response.headers_ready:
-            await response._wait()
+        data = b"".join(parts)
+        conn = self._take_idle()
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect()
+        response = self._send(conn, data)
+        try:
+            while not response.headers_ready:
+                await response._wait()
+        except UpstreamError as exc:
+            # The engine closed an idle connection as the request left: nothing was answered, so it goes again,
+            # once, on a new connection (see the module doc).
+            if (not reused or response.answered or exc.reason != FallbackReason.upstream_disconnected
+                    or self.loop.time() - response.sent_at > _RACE_S):
+                raise
+            response = self._send(await self._connect(), data)
+            while not response.headers_ready:
+                await response._wait()
+        return response
+
+    def _send(self, conn: _Connection, data: bytes) -> Response:
+        self.busy.add(conn)
+        if self._sweeper is None:
+            self._arm_sweeper()
+        response = Response(conn)
+        response.sent_at = self.loop.time()
+        conn.send(response, data)
         return response
 
     def _take_idle(self) -> _Connection | None:
         idle = self.idle
+        now = self.loop.time()
         while idle:
-            _, conn = idle.pop()  # the most recently used: the likeliest still open, and warm
-            if conn.transport is not None:
+            since, conn = idle.pop()  # the most recently used: the likeliest still open, and warm
+            if conn.transport is not None and now - since <= _IDLE_KEEPALIVE_S:
                 return conn
+            conn.abort()
         return None
 
     async def _connect(self) -> _Connection:

@@ -20,6 +20,7 @@ from dashboard.cli import dashboard
 from sidecar.cli import sidecar
 from sidecar.loadgen_cli import loadgen
 from specgate.commands.analysis import analysis_app, recommend_app
+from specgate.commands.autopilot import autopilot_app
 from specgate.commands.fleet import killswitch_app, workers
 from specgate.commands.policies import apply, rollback
 from specgate.commands.rollouts import rollout_app
@@ -45,6 +46,7 @@ app.add_typer(killswitch_app, name="killswitch")
 app.command()(workers)
 app.add_typer(analysis_app, name="analysis")
 app.add_typer(recommend_app, name="recommend")
+app.add_typer(autopilot_app, name="autopilot")
 # the other deployables and the local product
 testbed_app.command("recommend-check")(recommend_check_cmd)
 app.add_typer(testbed_app, name="testbed")

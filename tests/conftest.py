@@ -82,9 +82,9 @@ def migrated_url(database_url: str) -> str:
 
 @pytest.fixture
 def settings(migrated_url: str) -> ControlPlaneSettings:
-    # No background guardrail evaluator: tests look at rollouts when they choose, not on a wall clock.
+    # No background guardrail evaluator or autopilot: tests look at rollouts when they choose, not on a wall clock.
     return ControlPlaneSettings(database_url=migrated_url, worker_stale_after_s=5, long_poll_max_s=30,
-                                guardrail_interval_s=0)
+                                guardrail_interval_s=0, autopilot_interval_s=0)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query
 
 from analysis.recommend import Recommendation, RecommendConfig
+from analysis.switchback import SwitchbackConfig
 from controlplane.analysis import service
 from controlplane.analysis.schemas import (
     NO_CONTROL,
@@ -19,6 +20,7 @@ from controlplane.analysis.schemas import (
     SpeedupReport,
     SummaryGroup,
     SummaryReport,
+    SwitchbackReport,
     WhatIfReport,
     WhatIfRequest,
     Window,
@@ -157,9 +159,29 @@ def list_recommendations(session: SessionDep, _: Reader, policy: PolicyParam, st
                          cost_ratio: CostRatio = None) -> RecommendationList:
     a, b = _window(start, end)
     cfg = RecommendConfig(confidence=confidence, min_samples=min_samples, cost_ratio=cost_ratio)
-    revision, recs, head = service.list_recommendations(session, policy, start=a, end=b, cfg=cfg)
+    revision, recs, head, worker = service.list_recommendations(session, policy, start=a, end=b, cfg=cfg)
     return RecommendationList(policy=policy, revision=revision.id, head=head, start=a, end=b,
-                              recommendations=[_read(r) for r in recs])
+                              recommendations=[_read(r) for r in recs],
+                              switchback=None if worker is None else worker.to_dict())
+
+
+@router.get("/v1/analysis/switchback", response_model=SwitchbackReport, tags=["analysis"],
+            responses={**_NOT_FOUND, **problems({409: "the policy has no active revision"}), **INVALID_RESPONSE},
+            description="What clients felt in the active revision's own time windows against its explored windows "
+                        "(exploration.window_s): end-to-end latency, its p95, completed requests per second, time "
+                        "to first token and output tokens per second, each as the policy's advantage with a "
+                        "Student interval over pairs of neighbouring windows. Whole-worker windows put the cost "
+                        "one engine's work imposes on the others inside the measurement.")
+def switchback(session: SessionDep, _: Reader, policy: PolicyParam, start: From = None, end: To = None,
+               confidence: Confidence = 0.95) -> SwitchbackReport:
+    a, b = _window(start, end)
+    revision, result = service.switchback(session, policy, start=a, end=b,
+                                         cfg=SwitchbackConfig(confidence=confidence))
+    return SwitchbackReport(
+        policy=policy, revision=revision.id, start=a, end=b, available=result is not None,
+        reason=None if result is not None else "the active revision explores request by request (or not at all): "
+                                               "set exploration.window_s and a rate to compare whole windows",
+        comparison=None if result is None else result.to_dict())
 
 
 @router.post("/v1/recommendations/{recommendation_id}/apply", status_code=201,

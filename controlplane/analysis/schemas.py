@@ -107,10 +107,15 @@ class SpeedupRow(BaseModel):
     k: int | None
     n_speculative: int
     n_plain: int
-    itl_speedup: Interval | None = Field(description="Welch interval on log inter-token latency")
-    e2e_speedup: Interval | None
+    measure: str = Field(description="what the verdict read: e2e (end-to-end latency, what clients feel) where both "
+                                     "cohorts have min_samples requests, else itl (inter-token latency)")
+    e2e_speedup: Interval | None = Field(description="Welch interval on log end-to-end latency")
+    ttft_speedup: Interval | None = Field(description="Welch interval on log time to first token")
+    itl_speedup: Interval | None = Field(description="Welch interval on log inter-token latency (the mechanism)")
     verdict: str = Field(description="wins, loses, no clear difference, insufficient evidence, or confounded by "
                                      "disconnects (the faster cohort's clients went away markedly more often)")
+    e2e_ms_p50: dict[str, float | None]
+    e2e_ms_p95: dict[str, float | None]
     itl_ms_p50: dict[str, float | None]
     client_disconnects: dict[str, int] = Field(description="per cohort (speculative, plain): requests whose client "
                                                            "went away before the answer was complete")
@@ -156,7 +161,7 @@ class BeforeAfterReport(BaseModel):
 class RecommendationRead(BaseModel):
     id: str
     kind: str = Field(description="raise_threshold, lower_threshold, exclude_route, change_k, switch_method, "
-                                  "quality_risk")
+                                  "stop_speculating (route '*': the whole policy), quality_risk")
     route: str
     title: str
     edit: dict[str, Any] | None = Field(description="the rule edit; null for a flag")
@@ -166,6 +171,9 @@ class RecommendationRead(BaseModel):
     message: str
     applicable: bool = Field(description="false for a flag, or when the edit would not validate (see problems)")
     problems: list[dict[str, Any]]
+    measure: str | None = Field(description="what drove it: e2e, e2e_p95, requests_per_s, ttft, tokens_per_s "
+                                            "(client-side), itl (the mechanism), acceptance, leviathan (the "
+                                            "formula, not measured) or quality")
 
 
 class RecommendationList(BaseModel):
@@ -176,6 +184,24 @@ class RecommendationList(BaseModel):
     start: dt.datetime | None = Field(alias="from")
     end: dt.datetime | None = Field(alias="to")
     recommendations: list[RecommendationRead]
+    switchback: dict[str, Any] | None = Field(
+        description="the whole worker's comparison the recommendations read: the policy's time windows against the "
+                    "explored ones (see GET /v1/analysis/switchback); null when the policy explores per request")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class SwitchbackReport(BaseModel):
+    policy: str
+    revision: str = Field(description="the active revision compared")
+    start: dt.datetime | None = Field(alias="from")
+    end: dt.datetime | None = Field(alias="to")
+    available: bool = Field(description="false when the revision does not explore in time windows")
+    reason: str | None
+    comparison: dict[str, Any] | None = Field(
+        description="pairs, verdict (policy better, explored better, mixed, no clear difference, insufficient "
+                    "evidence), driver (the measure that decided), estimates per measure (policy advantage: "
+                    "above 1 the policy's windows were better), the two arms' figures and speculated shares")
 
     model_config = ConfigDict(populate_by_name=True)
 

@@ -27,6 +27,7 @@ from analysis.recommend import (
     engine_facts,
     recommend,
 )
+from analysis.switchback import Period, SwitchbackConfig, SwitchbackResult, compare, window_exposure
 from controlplane.analysis.repository import AnalysisRepository
 from controlplane.audit.service import record
 from controlplane.errors import Conflict, NotFound, PreconditionFailed, ValidationFailed
@@ -35,7 +36,15 @@ from controlplane.policy import service as policy_service
 from controlplane.rollout.service import fleet_cohort_secret
 from controlplane.telemetry.repository import RollupFilter
 from controlplane.telemetry.service import RollupSummary, summarize
-from policies import PolicyDocument, PolicyValidationError, RequestShape, compile_policy, validate_data
+from policies import (
+    PolicyDocument,
+    PolicyValidationError,
+    RequestShape,
+    compile_policy,
+    sticky_fraction,
+    validate_data,
+)
+from policies.evaluate import exploration_salt
 
 WINDOWS = {"minute": 60, "hour": 3600, "day": 86400}
 SUMMARY_KEYS = ("policy", "revision", "route", "engine", "batch_bucket", "explored")
@@ -246,6 +255,49 @@ def speedups(cell_list: Sequence[Cell], cfg: RecommendConfig) -> list[dict[str, 
     return [cell_report(c, cfg) for c in cell_list]
 
 
+# --- the whole worker: switchback windows ---------------------------------------------------------
+
+def switchback(session: Session, policy_name: str, *, start: dt.datetime | None, end: dt.datetime | None,
+               cfg: SwitchbackConfig | None = None) -> tuple[Revision, SwitchbackResult | None]:
+    """The active revision and :func:`revision_switchback` of it."""
+    policy = _policy(session, policy_name)
+    revision = _active(session, policy)
+    return revision, revision_switchback(session, policy, revision, start=start, end=end, cfg=cfg)
+
+
+def revision_switchback(session: Session, policy: Policy, revision: Revision, *, start: dt.datetime | None,
+                        end: dt.datetime | None, cfg: SwitchbackConfig | None = None) -> SwitchbackResult | None:
+    """The revision's windows against its explored windows, on what clients felt.
+
+    None when the active revision does not explore in time windows (``exploration.window_s`` and a rate):
+    requests explored one by one share the engines with the policy's own at the same moment, so their
+    comparison cannot show what one engine's work costs another. The first and the last minute with
+    traffic are left out: a revision activated, or a read made, within a minute has only part of it.
+    """
+    doc = validate_data(revision.document)
+    window_s, rate = doc.exploration.window_s, doc.exploration.rate
+    if window_s is None or rate <= 0:
+        return None
+    salt = exploration_salt(doc.name, fleet_cohort_secret(session))
+    rows, _ = summarize(session, RollupFilter(policy=policy.name, revision=revision.id, start=start, end=end),
+                        ["minute", "explored"], metrics=("e2e", "ttft", "itl"))
+    minutes = sorted({r.key["minute"] for r in rows})
+    # (policy seconds, explored seconds) of each inner minute, as the sidecars split its windows
+    exposure = {minute: window_exposure(minute, window_s,
+                                        lambda index: sticky_fraction(f"window:{index}", salt) < rate)
+                for minute in minutes[1:-1]}
+    periods = []
+    for row in rows:
+        minute = row.key["minute"]
+        if minute not in exposure:
+            continue
+        is_explored = bool(row.key["explored"])
+        periods.append(Period(minute, is_explored, exposure[minute][1 if is_explored else 0], _cohort(row),
+                              speculated=int(row.counters["speculated"]),
+                              completion_tokens=int(row.counters["completion_tokens_sum"])))
+    return compare(periods, window_s, cfg or SwitchbackConfig())
+
+
 # --- before / after -----------------------------------------------------------------------------
 
 def _rollout(session: Session, rollout_id: str) -> Rollout:
@@ -324,13 +376,24 @@ def _active(session: Session, policy: Policy) -> Revision:
 
 def recommendations(session: Session, policy_name: str, *, start: dt.datetime | None, end: dt.datetime | None,
                     cfg: RecommendConfig) -> tuple[Revision, list[Recommendation], list[Cell]]:
+    revision, recs, cell_list, _ = recommendations_with_evidence(session, policy_name, start=start, end=end,
+                                                                 cfg=cfg)
+    return revision, recs, cell_list
+
+
+def recommendations_with_evidence(session: Session, policy_name: str, *, start: dt.datetime | None,
+                                  end: dt.datetime | None, cfg: RecommendConfig
+                                  ) -> tuple[Revision, list[Recommendation], list[Cell], SwitchbackResult | None]:
+    """The recommendations, the cells they read and the whole worker's switchback comparison."""
     policy = _policy(session, policy_name)
     revision = _active(session, policy)
     cell_list = cells(session, policy.name, start=start, end=end)
-    return revision, recommend(revision.document, revision.id, cell_list, cfg), cell_list
+    worker = revision_switchback(session, policy, revision, start=start, end=end,
+                                 cfg=SwitchbackConfig(confidence=cfg.confidence))
+    return revision, recommend(revision.document, revision.id, cell_list, cfg, worker), cell_list, worker
 
 
-def _check_edits(revision: Revision, recs: list[Recommendation]) -> None:
+def check_edits(revision: Revision, recs: list[Recommendation]) -> None:
     """Mark the recommendations whose edit does not make a valid policy (with the library's errors)."""
     for rec in recs:
         if rec.edit is None:
@@ -347,13 +410,14 @@ def _check_edits(revision: Revision, recs: list[Recommendation]) -> None:
 
 
 def list_recommendations(session: Session, policy_name: str, *, start: dt.datetime | None,
-                         end: dt.datetime | None,
-                         cfg: RecommendConfig) -> tuple[Revision, list[Recommendation], str | None]:
-    """The active revision, its recommendations, and the policy's head (what applying one builds on)."""
-    revision, recs, _ = recommendations(session, policy_name, start=start, end=end, cfg=cfg)
-    _check_edits(revision, recs)
+                         end: dt.datetime | None, cfg: RecommendConfig
+                         ) -> tuple[Revision, list[Recommendation], str | None, SwitchbackResult | None]:
+    """The active revision, its recommendations, the policy's head (what applying one builds on) and the
+    switchback comparison they read."""
+    revision, recs, _, worker = recommendations_with_evidence(session, policy_name, start=start, end=end, cfg=cfg)
+    check_edits(revision, recs)
     head = AnalysisRepository(session).head(revision.policy_id)
-    return revision, recs, head.id if head is not None else None
+    return revision, recs, head.id if head is not None else None, worker
 
 
 def apply_recommendation(session: Session, rec_id: str, *, policy_name: str, start: dt.datetime | None,

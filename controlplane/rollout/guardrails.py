@@ -76,7 +76,7 @@ def evaluate_guardrails(session: Session, rollout_id: str, *, actor: str, now: d
             evidence=result.to_dict())
         action = "rolled_back"
         generation = repo.generation()
-    elif result.verdict == "pass" and auto_promote:
+    elif result.verdict == "pass" and auto_promote and rollout.created_by != rollout_service.AUTOPILOT_ACTOR:
         try:
             # The look read the step without the policy lock: promote only the step it evaluated. If an
             # operator moved the rollout meanwhile, the new step has not been looked at yet; the next

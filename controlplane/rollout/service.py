@@ -38,6 +38,8 @@ from controlplane.rollout.schemas import (
 from policies import sticky_fraction
 
 GUARDRAIL_ACTOR = "system:guardrails"
+# The autopilot's rollouts promote on its own hold and sample rules, never on the evaluator's auto-promote.
+AUTOPILOT_ACTOR = "system:autopilot"
 
 S, A = RolloutState, RolloutAction
 

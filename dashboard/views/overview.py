@@ -10,10 +10,10 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
-from apiclient import calls
-from apiclient.models import Fleet, Worker
+from apiclient import ApiError, calls
+from apiclient.models import Fleet, RollupReport, Worker
 from dashboard import charts, ui
-from dashboard.views.common import open_rollouts_of
+from dashboard.views.common import open_rollouts_of, speedup_rows, switchback_table, switchback_verdict
 
 _SHOWN = 200  # workers and gateways listed, in one read
 
@@ -93,6 +93,41 @@ def _fleet(session: ui.Session, fleet: Fleet) -> None:
         st.dataframe(replicas, hide_index=True, width="stretch")
 
 
+def _busiest_policy(report: RollupReport) -> str | None:
+    requests: dict[str, float] = {}
+    for group in report.groups:
+        name = group.key.policy
+        if name:
+            requests[name] = requests.get(name, 0) + group.count("requests")
+    return max(requests, key=requests.__getitem__) if requests else None
+
+
+def _does_it_pay(session: ui.Session, policy: str, since: dt.datetime) -> None:
+    """What clients felt under the busiest policy, speculating and not: whole-worker windows first."""
+    st.subheader("Does speculation pay here?")
+    st.caption(f"Policy {ui.literal(policy)} (most requests in the past sixty minutes), on what clients feel: "
+               "end-to-end "
+               "latency, time to first token, completed requests per second.")
+    try:
+        worker = session.read(calls.switchback(policy, since=since))
+    except ApiError as exc:
+        ui.show_problem(exc.problem)
+        return
+    if worker.available and worker.comparison is not None:
+        sentence, tone = switchback_verdict(worker.comparison)
+        {"error": st.error, "success": st.success}.get(tone, st.info)(sentence)
+        st.dataframe(pd.DataFrame(switchback_table(worker.comparison)), hide_index=True, width="stretch")
+        st.caption("Whole-worker switchback: in the explored time windows every request got the other decision, so "
+                   "the cost one engine's work puts on the others is inside the numbers. Policy advantage above 1: "
+                   "the policy's own windows were better for clients.")
+    else:
+        st.info(f"{ui.literal(worker.reason or '')}. Per request the cohorts share the engines at the same moment, "
+                "so the table below cannot show what speculating costs the other engines.")
+    report = ui.call(lambda: session.read(calls.speedups(policy, since=since)))
+    if report is not None and report.rows:
+        st.dataframe(pd.DataFrame(speedup_rows(report.rows)), hide_index=True, width="stretch")
+
+
 def render() -> None:
     session = ui.require_session()
     st.title("Overview")
@@ -130,6 +165,9 @@ def render() -> None:
         else:
             st.caption("Inter-token latency per engine, speculative vs plain (quantiles from the rollup histograms)")
             st.dataframe(latency, hide_index=True, width="stretch")
+        busiest = _busiest_policy(report)
+        if busiest is not None:
+            _does_it_pay(session, busiest, since)
 
     st.subheader("Fleet")
     if fleet is not None:

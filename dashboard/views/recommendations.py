@@ -16,8 +16,9 @@ import pandas as pd
 import streamlit as st
 
 from apiclient import ApiError, calls
-from apiclient.models import Recommendation
+from apiclient.models import Autopilot, Recommendation
 from dashboard import ui
+from dashboard.views.common import MEASURE_LABELS, switchback_table, switchback_verdict
 
 NOT_AVAILABLE = "Analysis not available: this control plane does not serve recommendations."
 WINDOWS = {"last hour": dt.timedelta(hours=1), "last 6 hours": dt.timedelta(hours=6),
@@ -42,18 +43,21 @@ def _fmt(value: Any) -> str:
 
 
 def evidence_frame(evidence: dict[str, Any]) -> pd.DataFrame:
-    """Median ITL of speculative and plain per batch bucket, from the recommendation's evidence rows."""
+    """Median latency of speculative and plain per batch bucket, from the recommendation's evidence rows: the
+    end-to-end latency (what clients feel) where the rows have it, else the inter-token latency."""
     rows = []
     for bucket in evidence.get("buckets") or []:
         if not isinstance(bucket, dict):
             continue
-        itl = bucket.get("itl_ms_p50") or {}
+        e2e = bucket.get("e2e_ms_p50")
+        metric, values = ("e2e", e2e) if isinstance(e2e, dict) and any(e2e.values()) else \
+            ("itl", bucket.get("itl_ms_p50") or {})
         gone = bucket.get("client_disconnect_rate") or {}
         for kind in ("speculative", "plain"):
-            if isinstance(itl, dict) and itl.get(kind) is not None:
+            if isinstance(values, dict) and values.get(kind) is not None:
                 rows.append({"batch_bucket": bucket.get("batch_bucket"), "batch": bucket.get("batch_range"),
-                             "engine": kind, "itl_ms_p50": itl[kind], "verdict": bucket.get("verdict", ""),
-                             "n": bucket.get(f"n_{kind}"),
+                             "engine": kind, "metric": metric, "ms_p50": values[kind],
+                             "verdict": bucket.get("verdict", ""), "n": bucket.get(f"n_{kind}"),
                              "client_disconnects": gone.get(kind) if isinstance(gone, dict) else None})
     return pd.DataFrame(rows)
 
@@ -62,11 +66,12 @@ def _evidence_chart(evidence: dict[str, Any]) -> alt.Chart | None:
     df = evidence_frame(evidence)
     if df.empty:
         return None
+    title = "end-to-end p50 (ms)" if (df["metric"] == "e2e").all() else "ITL p50 (ms)"
     chart: alt.Chart = alt.Chart(df).mark_line(point=True).encode(
         alt.X("batch_bucket:Q", title="batch size (bucket lower bound)", scale=alt.Scale(type="log", base=2)),
-        alt.Y("itl_ms_p50:Q", title="ITL p50 (ms)"),
+        alt.Y("ms_p50:Q", title=title),
         alt.Color("engine:N", scale=alt.Scale(domain=["speculative", "plain"], range=["#e45756", "#4c78a8"])),
-        tooltip=["batch:N", "engine:N", alt.Tooltip("itl_ms_p50:Q", format=".1f"), "n:Q",
+        tooltip=["batch:N", "engine:N", "metric:N", alt.Tooltip("ms_p50:Q", format=".1f"), "n:Q",
                  alt.Tooltip("client_disconnects:Q", format=".1%"), "verdict:N"])
     return chart.properties(height=200)
 
@@ -75,7 +80,9 @@ def _card(session: ui.Session, rec: Recommendation, policy: str, head: str | Non
     with st.container(border=True):
         # Titles and messages quote the route, which a client named: shown as text, never as Markdown.
         st.markdown(f"**{ui.literal(rec.title)}** · route {ui.literal(rec.route)} · "
-                    f"{ui.literal(rec.kind.replace('_', ' '))}")
+                    f"{ui.literal(rec.kind.replace('_', ' '))}"
+                    + (f" · driven by {ui.literal(MEASURE_LABELS.get(rec.measure, rec.measure))}" if rec.measure
+                       else ""))
         if rec.message:
             st.text(rec.message)
         c1, c2 = st.columns([3, 1])
@@ -145,6 +152,75 @@ def _what_if(session: ui.Session, policy: str, params: dict[str, Any]) -> None:
             } for r in routes]), hide_index=True, width="stretch")
 
 
+def _switchback(comparison: dict[str, Any] | None) -> None:
+    st.subheader("The whole worker")
+    if comparison is None:
+        st.caption("The active revision explores request by request (or not at all): set exploration.window_s to "
+                   "compare whole time windows, where what one engine's work costs the others is measured too.")
+        return
+    sentence, tone = switchback_verdict(comparison)
+    {"error": st.error, "success": st.success}.get(tone, st.info)(sentence)
+    st.dataframe(pd.DataFrame(switchback_table(comparison)), hide_index=True, width="stretch")
+
+
+def _autopilot_form(session: ui.Session, policy: str, state: Autopilot) -> None:
+    with st.form(ui.key("autopilot_form", policy)):
+        c1, c2, c3 = st.columns(3)
+        enabled = c1.toggle("Enabled", value=state.enabled, key=ui.key("ap_enabled", policy))
+        confidence = c2.selectbox("Minimum confidence", ["low", "medium", "high"],
+                                  index=["low", "medium", "high"].index(state.min_confidence),
+                                  key=ui.key("ap_confidence", policy))
+        steps = c3.text_input("Canary steps (%)", value=", ".join(f"{p:g}" for p in state.steps))
+        c1, c2, c3 = st.columns(3)
+        hold_s = c1.number_input("Hold per step (s)", min_value=10.0, max_value=604800.0, value=float(state.hold_s))
+        min_samples = c2.number_input("Requests per cohort", min_value=1, max_value=10_000_000,
+                                      value=int(state.min_samples))
+        per_day = c3.number_input("Changes per day", min_value=0, max_value=100, value=int(state.max_changes_per_day))
+        kinds = st.multiselect("Kinds it may apply", ["stop_speculating", "exclude_route", "lower_threshold",
+                                                      "raise_threshold", "switch_method", "change_k"],
+                               default=state.kinds)
+        if st.form_submit_button("Save autopilot", disabled=not session.can_edit):
+            try:
+                percents = [float(p) for p in steps.replace(",", " ").split()]
+            except ValueError:
+                st.error(f"steps: not a list of numbers: {ui.literal(steps)}")
+                return
+            saved = ui.call(lambda: session.write(calls.set_autopilot(policy, {
+                "enabled": enabled, "min_confidence": confidence, "steps": percents, "hold_s": float(hold_s),
+                "min_samples": int(min_samples), "max_changes_per_day": int(per_day), "kinds": kinds})))
+            if saved is not None:
+                ui.flash(f"Autopilot of {ui.literal(policy)} {'enabled' if saved.enabled else 'disabled'}.")
+                st.rerun()
+
+
+def _autopilot(session: ui.Session, policy: str) -> None:
+    st.subheader("Autopilot")
+    try:
+        state = session.read(calls.autopilot(policy))
+    except ApiError as exc:
+        if _missing(exc):
+            st.caption("This control plane has no autopilot.")
+        else:
+            ui.show_problem(exc.problem)
+        return
+    c1, c2, c3 = st.columns(3)
+    c1.metric("Autopilot", "on" if state.enabled else "off")
+    c2.metric("Status", state.status)
+    c3.metric("Changes today", f"{state.changes_today} of {state.max_changes_per_day}")
+    if state.status_detail:
+        st.text(state.status_detail)
+    st.caption("Applies the best recommendation at or above its confidence as a draft (author system:autopilot) "
+               "and rolls it out as a traffic canary, holding each step and promoting it with no guardrail breach; "
+               "never while the kill switch is on, a rollout is in flight or a person changed the policy within "
+               "the hold. Disabling it mid-rollout pauses that rollout for a person.")
+    _autopilot_form(session, policy, state)
+    if state.history:
+        st.dataframe(pd.DataFrame([{
+            "at": e.at, "action": e.action, "rollout": e.rollout_id or "", "revision": ui.short(e.revision_id),
+            "what": (e.detail.get("recommendation") or {}).get("title", "") if isinstance(e.detail, dict) else "",
+        } for e in state.history]), hide_index=True, width="stretch")
+
+
 def render() -> None:
     session = ui.require_session()
     st.title("Recommendations")
@@ -178,4 +254,6 @@ def render() -> None:
                    "it: lower the cohort size to look anyway).")
     for rec in listing.recommendations:
         _card(session, rec, policy, listing.head, params)
+    _switchback(listing.switchback)
+    _autopilot(session, policy)
     _what_if(session, policy, {"since": params["since"], "until": params["until"]})

@@ -71,10 +71,11 @@ def speedups(policy: PolicyOpt, route: Annotated[str | None, typer.Option()] = N
         show(reply.json, True)
         return
     for row in reply.data.rows:
-        itl = row.itl_speedup
-        ci = f"{itl.ratio:.2f} [{itl.low:.2f}, {itl.high:.2f}]" if itl else "-"
+        # The interval the verdict read: end-to-end latency (what clients feel) where measured, else ITL.
+        est = row.e2e_speedup if row.measure == "e2e" else row.itl_speedup
+        ci = f"{est.ratio:.2f} [{est.low:.2f}, {est.high:.2f}]" if est else "-"
         theory = row.theory.speedup if row.theory else None
-        typer.echo(f"{row.route:<16} batch {row.batch_range:<6} ITL speedup {ci:<22} "
+        typer.echo(f"{row.route:<16} batch {row.batch_range:<6} {row.measure} speedup {ci:<22} "
                    f"n={row.n_speculative}/{row.n_plain:<6} theory={_fmt(theory)} {row.verdict} "
                    f"({row.source})")
 

@@ -218,7 +218,7 @@ def test_raise_threshold_to_the_largest_winning_bucket() -> None:
     rec = recs[("raise_threshold", "chat")]
     assert rec.edit == {"kind": "set_batch_max", "route": "chat", "batch_max": 8}
     assert rec.expected_effect["batch_max"] == {"from": 4, "to": 8}
-    assert rec.expected_effect["itl_change_in_affected_buckets"] < 1
+    assert rec.expected_effect["latency_change_in_affected_buckets"] < 1
     assert {row["batch_bucket"]: row["verdict"] for row in rec.evidence["buckets"]}[9] == "loses"
     assert rec.confidence in ("high", "medium")
 

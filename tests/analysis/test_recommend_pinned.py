@@ -141,6 +141,8 @@ SCENARIOS = {
     "crossover-loose-confidence": Scenario(CROSSOVER_CELLS, THRESHOLDS,
                                            RecommendConfig(confidence=0.5, min_samples=10, min_gain=0.0)),
     "crossover-thin-evidence": Scenario(CROSSOVER_CELLS, THRESHOLDS, RecommendConfig(min_samples=5000)),
+    # The mechanism view alone (inter-token latency), as the recommender judged before it read e2e first.
+    "crossover-thresholds-itl": Scenario(CROSSOVER_CELLS, THRESHOLDS, RecommendConfig(measures=("itl",))),
     "crossover-second-engine": Scenario(CROSSOVER_CELLS, _recorded_policy(CROSSOVER_CELLS),
                                         edit=_second_engine_on_extract),
     "crossover-second-engine-narrow": Scenario(CROSSOVER_CELLS, NARROW, edit=_second_engine_on_extract),
@@ -188,6 +190,6 @@ def test_the_scenarios_take_every_path_of_the_recommender() -> None:
                            ("change_k", "set_engine_k"), ("switch_method", "set_engine"),
                            ("quality_risk", None)}
     assert any("below the guardrail minimum" in m for m in messages)
-    assert any("slower with confidence in bucket(s)" in m for m in messages)
+    assert any("slower (end-to-end latency) with confidence in bucket(s)" in m for m in messages)
     assert any("it is not faster with confidence" in m for m in messages)
     assert any("structured-output validity" in m for m in messages)

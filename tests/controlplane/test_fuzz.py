@@ -99,7 +99,6 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
     unsupported_method,
 )
-from sqlalchemy import create_engine, text
 
 from controlplane.app import create_app
 from controlplane.auth.schemas import Scope
@@ -110,7 +109,7 @@ from controlplane.settings import ControlPlaneSettings
 from policies import SigningKey
 from tests.support import paths
 from tests.support.auth import bearer
-from tests.support.factories import seed_policy, seed_text
+from tests.support.factories import empty_postgres_schema, seed_policy, seed_text
 from wire.problems import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA, ProblemCode
 
 MAX_EXAMPLES = 25
@@ -219,12 +218,7 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'specgate.db'}"
     else:
-        url = request.getfixturevalue("postgres_database")
-        engine = create_engine(url, isolation_level="AUTOCOMMIT")
-        with engine.connect() as conn:
-            conn.execute(text("DROP SCHEMA public CASCADE"))
-            conn.execute(text("CREATE SCHEMA public"))
-        engine.dispose()
+        url = empty_postgres_schema(request.getfixturevalue("postgres_database"))
     upgrade(url)
     settings = ControlPlaneSettings(database_url=url, worker_stale_after_s=30, long_poll_max_s=LONG_POLL_MAX_S)
     _, revisions = seed_policy(url, extra_revisions=(seed_text(threshold=8),))

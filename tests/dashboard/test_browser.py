@@ -144,6 +144,9 @@ def _journey(page: playwright_sync.Page, browser: playwright_sync.Browser, cp: L
     _sign_in(page, dashboard_url, cp.admin)
     page.get_by_text("Signed in as admin:alice").wait_for()
     page.get_by_text("Last hour").wait_for()
+    page.get_by_text("Does speculation pay here?").wait_for()
+    # The seeded policy explores request by request: the overview says what that cannot show.
+    page.get_by_text("explores request by request").wait_for()
     page.get_by_text("Rollouts in progress").wait_for()
     page.get_by_text("fleet-gpu-5").wait_for(state="attached")  # a cell of a data grid: in the DOM, drawn on canvas
     page.get_by_text("Replicas, as each worker and gateway last reported them").wait_for()
@@ -224,6 +227,8 @@ def _journey(page: playwright_sync.Page, browser: playwright_sync.Browser, cp: L
     _goto(page, "Recommendations")
     page.get_by_text(re.compile(r"Analysis not available|For the active revision")).first.wait_for()
     page.get_by_text(re.compile(r"Analysis not available|Score a revision")).first.wait_for()
+    page.get_by_role("heading", name="Autopilot").wait_for()
+    page.get_by_role("button", name="Save autopilot").wait_for()
     _shot(page, shots, "7-recommendations")
 
     # A viewer sees the same pages with every control disabled.

@@ -11,8 +11,11 @@ import pytest
 
 from controlplane.app import create_app
 from controlplane.auth.schemas import Scope
+from controlplane.db import make_engine, make_sessionmaker, unit_of_work
 from controlplane.migrations_state import upgrade
+from controlplane.rollout.service import fleet_cohort_secret
 from controlplane.settings import ControlPlaneSettings
+from policies.evaluate import exploration_salt
 from tests.support import dashboard_seed as seed
 from tests.support.apptest import app, button, changed_elsewhere, no_exception, page, texts, use
 from tests.support.dashboard_live import LiveControlPlane, mint_keys
@@ -83,7 +86,7 @@ def test_overview_shows_the_fleet_the_last_hour_and_the_kill_switch(live_control
     assert _metric(at, "Speculated") == f"{totals['speculated'] / totals['requests']:.1%}"
     assert _metric(at, "Acceptance") == f"{totals['accepted_tokens_sum'] / totals['draft_tokens_sum']:.1%}"
     assert "Kill switch is off" in texts(at.success)
-    workers = at.dataframe[2].value
+    workers = _table(at, "worker")
     assert sorted(workers["worker"]) == sorted(seeded.workers)
     assert list(workers["state"]).count("converging") == 1
 
@@ -95,6 +98,11 @@ def test_overview_shows_the_fleet_the_last_hour_and_the_kill_switch(live_control
     at.run()
     assert "Kill switch is ON" in texts(at.error)
     assert "incident 42" in texts(at.error)
+
+
+def _table(at: Any, column: str) -> Any:
+    """The first table on the page with this column."""
+    return next(d.value for d in at.dataframe if column in d.value.columns)
 
 
 def _gateway_with_replicas(cp: LiveControlPlane, gateway: str = "fleet-gw-1",
@@ -123,11 +131,10 @@ def test_overview_shows_gateways_apart_and_every_replica(live_control_plane: Liv
     assert _metric(at, "Workers") == "6"
     assert _metric(at, "Gateways") == "1"
     assert (_metric(at, "Replicas"), _metric(at, "Healthy"), _metric(at, "Ejected")) == ("3", "2", "1")
-    tables = [d.value for d in at.dataframe]
-    pools = tables[1]
+    pools = _table(at, "sidecars")
     assert sorted(zip(pools["pool"], pools["kind"], pools["sidecars"], strict=True)) == [
         ("fleet", "gateway", 1), ("fleet", "worker", 6)]
-    workers, gateways, replicas = tables[2], tables[3], tables[4]
+    workers, gateways, replicas = _table(at, "worker"), _table(at, "gateway"), _table(at, "replica")
     assert sorted(workers["worker"]) == sorted(seeded.workers)
     assert list(gateways["gateway"]) == ["fleet-gw-1"]
     rows = replicas.to_dict("records")
@@ -149,8 +156,8 @@ def test_overview_of_workers_only_shows_no_gateway_or_replica_table(live_control
     at = page("overview").run()
     no_exception(at)
     assert [m.label for m in at.metric if m.label in ("Gateways", "Replicas", "Ejected")] == []
-    assert len(at.dataframe) == 4  # last hour, pools, workers, policies
-    assert "gateway" not in set(at.dataframe[1].value["kind"])
+    assert not [d for d in at.dataframe if {"gateway", "replica"} & set(d.value.columns)]
+    assert "gateway" not in set(_table(at, "sidecars")["kind"])
 
 
 # --- policies -------------------------------------------------------------------------------
@@ -411,6 +418,74 @@ def test_recommendation_becomes_a_draft_revision(live_control_plane: LiveControl
     button(at, "Score it").click().run()
     no_exception(at)
     assert "Decisions changed" in [m.label for m in at.metric]
+
+
+def _switchback_policy(cp: LiveControlPlane) -> None:
+    """Policy "windows" (pool fleet, always speculative, one-minute switchback windows) and 30 minutes of its
+    traffic in which clients waited 900 ms in the policy's windows and 500 ms in the explored (plain) ones."""
+    with _api(cp) as api:
+        api.post("/v1/policies", json={"name": "windows", "pool": "fleet"}).raise_for_status()
+        created = api.post("/v1/policies/windows/revisions", json={"document": seed.SWITCHBACK_POLICY,
+                                                                   "message": "switchback"})
+        created.raise_for_status()
+    (worker,) = seed.register_workers(cp.url, cp.worker, "fleet", 1)
+    engine = make_engine(cp.database_url)
+    try:
+        with unit_of_work(make_sessionmaker(engine)) as session:
+            salt = exploration_salt("windows", fleet_cohort_secret(session))
+    finally:
+        engine.dispose()
+    assert seed.switchback_telemetry(cp.url, cp.worker, revision=created.json()["id"], salt=salt,
+                                     worker=worker) == 600
+
+
+def test_the_overview_says_whether_speculation_pays_on_what_clients_feel(live_control_plane: LiveControlPlane,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    _switchback_policy(cp)
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("overview").run()
+    no_exception(at)
+    assert "Does speculation pay here?" in texts(at.subheader)
+    assert "Clients fared worse speculating more" in texts(at.error)
+    measures = _table(at, "policy advantage [interval]")
+    e2e = measures[measures["measure"] == "end-to-end latency"].iloc[0]
+    ratio, interval = e2e["policy advantage [interval]"].split(" ", 1)
+    assert 0.45 < float(ratio) < 0.7  # 500 / 900
+    low, high = (float(v) for v in interval.strip("[]").split(", "))
+    assert low < float(ratio) < high < 1
+    routes = _table(at, "plain / speculative [interval]")
+    assert list(routes["route"]) == ["chat"]
+    assert list(routes["measure"]) == ["end-to-end latency"]
+    assert list(routes["verdict"]) == ["loses"]
+
+
+def test_recommendations_show_the_whole_worker_and_the_autopilot_panel(live_control_plane: LiveControlPlane,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    _switchback_policy(cp)
+    use(monkeypatch, cp.url, cp.admin)
+    at = page("recommendations").run()
+    no_exception(at)
+    at.selectbox(key="sg_rec_policy").set_value("windows").run()
+    at.number_input(key="sg_rec_min_samples").set_value(30).run()
+    no_exception(at)
+    titles = texts(at.markdown)
+    assert "do not speculate: policy 'windows' sends every request to the plain engine" in titles
+    assert "driven by `end-to-end latency`" in titles
+    assert "Clients fared worse speculating more" in texts(at.error)
+    assert [m.value for m in at.metric if m.label == "Autopilot"] == ["off"]
+    at.toggle(key="sg_ap_enabled_windows").set_value(True)
+    at.selectbox(key="sg_ap_confidence_windows").set_value("medium")
+    button(at, "Save autopilot").click().run()
+    no_exception(at)
+    assert "Autopilot of `windows` enabled" in texts(at.success)
+    assert [m.value for m in at.metric if m.label == "Autopilot"] == ["on"]
+    history = _table(at, "action")
+    assert list(history["action"]) == ["enabled"]
+    with _api(cp) as api:
+        state = api.get("/v1/policies/windows/autopilot").json()
+    assert (state["enabled"], state["min_confidence"], state["updated_by"]) == (True, "medium", "admin:alice")
 
 
 def test_without_the_analysis_api_the_page_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -119,10 +119,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 def build_stack(fleet: Fleet, tmp_path: Path) -> Iterator[StackBuilder]:
     """``build(database_url, policy_texts=(seed,))``: a stack on that (empty) database; several may run at once.
 
-    The first text becomes the policy's first revision, each later one a newer revision, the last active."""
+    The first text becomes the policy's first revision, each later one a newer revision, the last active;
+    ``cp_env`` adds to the control plane's environment (SPECGATE_* settings)."""
     made: list[Stack] = []
 
-    def build(database_url: str, policy_texts: Sequence[str] = (SEED_POLICY,)) -> Stack:
+    def build(database_url: str, policy_texts: Sequence[str] = (SEED_POLICY,),
+              cp_env: Mapping[str, str] | None = None) -> Stack:
         fleet.require()
         upgrade(database_url)
         policy_id, ids = seed_policy(database_url, policy_texts[0])
@@ -134,6 +136,7 @@ def build_stack(fleet: Fleet, tmp_path: Path) -> Iterator[StackBuilder]:
         directory = tmp_path / f"stack-{len(made)}"
         directory.mkdir()
         cp = ControlPlaneProcess(database_url, directory)
+        cp.env.update(cp_env or {})
         cp.start()
         sidecar = SidecarProcess(cp, fleet.urls, directory, worker_id=f"e2e-{tmp_path.name}-{len(made)}")
         stack = Stack(database_url, cp, sidecar, fleet, ids)

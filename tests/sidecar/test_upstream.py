@@ -8,6 +8,7 @@ garbage can each be produced on purpose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -361,5 +362,114 @@ def test_engine_urls_it_cannot_serve_are_refused_up_front(url: str) -> None:
     async def scenario() -> None:
         with pytest.raises(ValueError, match="engine URL must be http://"):
             client(url)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_a_reused_connection_closed_unanswered_is_sent_again_once_on_a_new_one(answered: bool) -> None:
+    """vLLM's server closes idle keep-alive connections after 5 s; a request written as it does is lost. The
+    engine here closes its first connection after one answer, at the next request (a fake of that race)."""
+    async def scenario() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            first = server.connections == 1
+            await server.read_request(reader)
+            writer.write(ok(b'{"n": 1}'))
+            await writer.drain()
+            if first:
+                await server.read_request(reader)
+                if answered:  # a byte of an answer, then the close: the engine failed, not the keep-alive
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n{")
+                    await writer.drain()
+                return
+            with contextlib.suppress(asyncio.IncompleteReadError):
+                await server.read_request(reader)
+
+        async with RawServer(handler) as server:
+            upstream = client(server.url)
+            first = await upstream.request(b"POST", b"/x", [], b"one")
+            assert await first.read() == b'{"n": 1}'
+            first.release()
+            if answered:
+                async def fetch() -> bytes:
+                    response = await upstream.request(b"POST", b"/x", [], b"two")
+                    return await response.read()
+
+                with pytest.raises(UpstreamError) as caught:
+                    await fetch()
+                assert caught.value.reason == "upstream_disconnected"
+                assert server.connections == 1
+            else:
+                second = await upstream.request(b"POST", b"/x", [], b"two")
+                assert await second.read() == b'{"n": 1}'
+                second.release()
+                assert server.connections == 2
+                assert [r.endswith(b"two") for r in server.requests] == [False, True, True]
+            await upstream.close()
+
+    run(scenario())
+
+
+def test_a_new_connection_closed_unanswered_is_not_sent_again() -> None:
+    async def scenario() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+
+        async with RawServer(handler) as server:
+            upstream = client(server.url)
+            with pytest.raises(UpstreamError) as caught:
+                await upstream.request(b"POST", b"/x", [], b"")
+            assert caught.value.reason == "upstream_disconnected"
+            assert server.connections == 1
+            await upstream.close()
+
+    run(scenario())
+
+
+def test_a_connection_idle_past_the_keep_alive_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sidecar.upstream._IDLE_KEEPALIVE_S", 0.05)
+
+    async def scenario() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError):
+                while True:
+                    await server.read_request(reader)
+                    writer.write(ok(b"{}"))
+                    await writer.drain()
+
+        async with RawServer(handler) as server:
+            upstream = client(server.url)
+            for pause in (0.0, 0.0, 0.2):
+                await asyncio.sleep(pause)
+                response = await upstream.request(b"POST", b"/x", [], b"")
+                await response.read()
+                response.release()
+            assert server.connections == 2  # the first two shared one; the third came after the keep-alive
+            await upstream.close()
+
+    run(scenario())
+
+
+def test_a_reused_connection_closed_unanswered_after_a_while_is_not_sent_again() -> None:
+    """Past the keep-alive race a close may mean the engine ran the request (and died): never twice."""
+    async def scenario() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(ok(b"{}"))
+            await writer.drain()
+            await server.read_request(reader)
+            await asyncio.sleep(0.6)  # "generating", then gone
+
+        async with RawServer(handler) as server:
+            upstream = client(server.url)
+            first = await upstream.request(b"POST", b"/x", [], b"one")
+            await first.read()
+            first.release()
+            with pytest.raises(UpstreamError) as caught:
+                await upstream.request(b"POST", b"/x", [], b"two")
+            assert caught.value.reason == "upstream_disconnected"
+            assert server.connections == 1
+            assert len(server.requests) == 2
+            await upstream.close()
 
     run(scenario())

@@ -40,7 +40,8 @@ CHAT_BUCKETS = {"1": (300, 150, "wins"), "2": (300, 150, "wins"), "3-4": (300, 1
 SUMMARY_LINE = re.compile(r"route=(?P<route>\S+) +n=(?P<n>\d+) +acc=(?P<acc>\S+) "
                           r"itl p50/p95=(?P<p50>\S+)/(?P<p95>\S+)ms e2e p95=(?P<e2e>\S+)ms "
                           r"retries=(?P<retries>\S+) err=(?P<err>\S+)")
-SPEEDUP_LINE = re.compile(r"(?P<route>\S+) +batch (?P<range>\S+) +ITL speedup (?P<ratio>\S+) \[(?P<low>\S+), "
+SPEEDUP_LINE = re.compile(r"(?P<route>\S+) +batch (?P<range>\S+) +(?P<measure>e2e|itl) speedup (?P<ratio>\S+) "
+                          r"\[(?P<low>\S+), "
                           r"(?P<high>\S+)\] +n=(?P<spec>\d+)/(?P<plain>\d+) +theory=(?P<theory>\S+) "
                           r"(?P<verdict>.+) \((?P<source>\w+)\)")
 RECOMMENDATION_LINE = re.compile(r"\[(?P<confidence>\w+)\] (?P<id>[0-9a-f]{20})  (?P<title>.+)")
@@ -109,12 +110,13 @@ def test_summary_speedups_recommend_offline_and_apply(live: str, migrated_url: s
         assert len(printed) == len(speedups["rows"])
         for m, row in zip(printed, speedups["rows"], strict=True):
             assert m is not None
-            itl = row["itl_speedup"]
+            est = row[f"{row['measure']}_speedup"]  # the interval the verdict read
             assert (m["route"], m["range"], m["verdict"], m["source"]) == ("chat", row["batch_range"], row["verdict"],
                                                                             row["source"])
+            assert m["measure"] == row["measure"]
             assert (int(m["spec"]), int(m["plain"])) == (row["n_speculative"], row["n_plain"])
             assert [float(m[f]) for f in ("ratio", "low", "high")] == pytest.approx(
-                [itl["ratio"], itl["low"], itl["high"]], abs=0.005)
+                [est["ratio"], est["low"], est["high"]], abs=0.005)
             assert _shown(m["theory"], row["theory"]["speedup"])
 
         # recommendations: chat's threshold goes up to the last winning bucket, summarize is excluded

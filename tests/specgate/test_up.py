@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import re
@@ -22,7 +23,10 @@ import httpx
 import pytest
 import yaml
 
-from policies import load_policy
+from controlplane.db import make_engine, make_sessionmaker
+from controlplane.rollout.service import fleet_cohort_secret
+from policies import load_policy, sticky_fraction
+from policies.evaluate import exploration_salt
 from specgate import stack as devstack
 from testbed import engines as testbed_engines
 from testbed.engines import process_start_ticks
@@ -222,6 +226,24 @@ def _refused(url: str) -> bool:
     return False
 
 
+def _until_an_explored_window_ended(data: Path) -> float:
+    """Seconds from now to the end of the testbed policy's first explored time window."""
+    doc = load_policy(TESTBED_POLICY.read_text())
+    window_s, rate = doc.exploration.window_s, doc.exploration.rate
+    assert window_s is not None
+    engine = make_engine(f"sqlite:///{data / 'specgate.db'}")
+    try:
+        with make_sessionmaker(engine)() as session:
+            salt = exploration_salt(doc.name, fleet_cohort_secret(session))
+    finally:
+        engine.dispose()
+    now = time.time()
+    index = math.floor(now / window_s)
+    while sticky_fraction(f"window:{index}", salt) >= rate:
+        index += 1
+    return (index + 1) * window_s - now
+
+
 def test_up_registers_a_sidecar_turns_traffic_into_telemetry_and_sigint_stops_every_child(tmp_path: Path) -> None:
     proc, ports = _start_up(tmp_path, "tests.support.fake_engines:FakeEngineStarter")
     assert proc.stdout is not None
@@ -258,8 +280,10 @@ def test_up_registers_a_sidecar_turns_traffic_into_telemetry_and_sigint_stops_ev
             assert policy["active_revision_id"]
 
             # The looping traffic generator's requests arrive as telemetry, speculative ones with
-            # the engine's acceptance numbers, explored ones tagged.
-            deadline = time.monotonic() + 60
+            # the engine's acceptance numbers, explored ones tagged. The testbed explores whole time
+            # windows: the wait lasts until the end of the first explored window from now (its sticky
+            # hash is salted with the fleet's cohort secret), plus a margin for the telemetry to arrive.
+            deadline = time.monotonic() + 60 + _until_an_explored_window_ended(data)
             while True:
                 groups = api.get("/v1/telemetry/rollups", params={"group_by": "engine,explored"}).json()["groups"]
                 speculative = [g for g in groups if g["key"]["engine"] in ("ngram", "draft")
@@ -323,11 +347,24 @@ def test_up_in_the_pool_shape_puts_a_gateway_in_front_of_replica_pools(tmp_path:
                                      "draft": f"http://127.0.0.1:{ports['engine'] + 2}"}
         assert sorted((r["engine"], r["state"]) for r in worker["replicas"]) == [
             ("base", "healthy"), ("base", "healthy"), ("draft", "healthy")]
-        # through the gateway: a chat request at batch 1 runs on the speculative replica and names it
-        answer = httpx.post(f"http://{gateway}/v1/chat/completions", headers={"X-Specgate-Route": "chat"},
-                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
-        assert answer.status_code == 200, answer.text
-        assert f"replica=127.0.0.1:{ports['engine'] + 2}" in answer.headers["x-specgate-decision"]
+        # through the gateway: a chat request at batch 1 runs on the speculative replica and names it.
+        # The testbed explores whole 10-second windows: a request in one of them runs on a plain
+        # replica instead (and says so); the test then waits for a window of the policy's own.
+        base_replicas = {f"127.0.0.1:{ports['engine']}", f"127.0.0.1:{ports['engine'] + 3}"}
+        deadline = time.monotonic() + 60
+        while True:
+            answer = httpx.post(f"http://{gateway}/v1/chat/completions", headers={"X-Specgate-Route": "chat"},
+                                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+            assert answer.status_code == 200, answer.text
+            decision = dict(part.split("=", 1) for part in answer.headers["x-specgate-decision"].split("; "))
+            if decision.get("explored") != "true":
+                break
+            assert decision["engine"] == "base", decision
+            assert decision["replica"] in base_replicas, decision
+            assert time.monotonic() < deadline, "no window of the policy's own within 60 s"
+            time.sleep(1)
+        assert decision["engine"] == "draft", decision
+        assert decision["replica"] == f"127.0.0.1:{ports['engine'] + 2}", decision
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
         assert proc.returncode == 0

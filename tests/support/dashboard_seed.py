@@ -164,3 +164,52 @@ def seed_all(url: str, admin: str, worker_key: str, *, minutes: int = 60, per_mi
     events = telemetry(url, worker_key, policy="fleet", revision=fleet["id"], pool="fleet", workers=workers,
                        minutes=minutes, per_minute=per_minute)
     return Seeded("fleet", fleet["id"], draft["id"], workers, events)
+
+
+# Always speculative; exploring whole one-minute windows on the plain engine, half of them.
+SWITCHBACK_POLICY = """\
+apiVersion: specgate/v1
+name: windows
+engines:
+  base: {method: none}
+  draft: {method: draft_model, model: models/draft, num_speculative_tokens: 3}
+default: {engine: draft}
+exploration: {rate: 0.5, speculative_engine: draft, window_s: 60}
+"""
+
+
+def switchback_telemetry(url: str, worker_key: str, *, revision: str, salt: str, worker: str, pool: str = "fleet",
+                         minutes: int = 30, per_minute: int = 20, speculative_ms: float = 900.0,
+                         plain_ms: float = 500.0, seed: int = 11) -> int:
+    """``minutes`` of SWITCHBACK_POLICY's traffic ending now: its explored windows (by the sticky hash of the
+    window index, salted with ``salt``) ran plain and answered in ``plain_ms``, the others in
+    ``speculative_ms`` (lognormal around them)."""
+    from policies import sticky_fraction
+
+    rng = random.Random(seed)
+    end = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0)
+    events: list[dict[str, Any]] = []
+    for m in range(minutes, 0, -1):
+        minute = end - dt.timedelta(minutes=m)
+        explored = sticky_fraction(f"window:{int(minute.timestamp()) // 60}", salt) < 0.5
+        for i in range(per_minute):
+            e2e = (plain_ms if explored else speculative_ms) * rng.lognormvariate(0, 0.15)
+            engine = "base" if explored else "draft"
+            events.append({
+                "event_id": uuid.uuid4().hex, "request_id": uuid.uuid4().hex,
+                "time": (minute + dt.timedelta(seconds=(i + 0.5) * 60 / per_minute)).isoformat(),
+                "worker_id": worker, "pool": pool, "route": "chat", "model": "target-8b", "policy": "windows",
+                "revision": revision, "rule": "default", "engine": engine, "decided_engine": engine,
+                "speculate": not explored, "num_speculative_tokens": 0 if explored else 3, "explored": explored,
+                "canary": False, "kill_switch": False, "batch_size": 2, "stream": True,
+                "structured_output": False, "tools": False, "max_tokens": 128, "prompt_tokens": 200,
+                "completion_tokens": 48, "ttft_ms": 60.0, "itl_ms": (e2e - 60) / 47, "e2e_ms": e2e,
+                "status": "ok", "retries": 0, "fallback": False, "structured_valid": None,
+                **({} if explored else {"spec_draft_tokens": 48, "spec_accepted_tokens": 30}),
+            })
+    with _client(url, worker_key) as c:
+        r = c.post("/v1/telemetry/batches", json={"batch_id": uuid.uuid4().hex, "worker_id": worker,
+                                                  "events": events})
+        r.raise_for_status()
+        stored: int = r.json()["stored"]
+    return stored

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.db import make_engine, make_sessionmaker, unit_of_work
@@ -69,3 +69,15 @@ def seed_policy(database_url: str, text: str | None = None, *, name: str = "seed
             return policy.id, ids
     finally:
         engine.dispose()
+
+
+def empty_postgres_schema(url: str) -> str:
+    """Drop everything in the PostgreSQL database's public schema (a run's own database, reused per test)."""
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
+    finally:
+        engine.dispose()
+    return url

@@ -1,0 +1,1 @@
+"""Autopilot: a policy that edits and rolls itself out from its recommendations, opt-in."""
