@@ -19,6 +19,7 @@ from policies.model import PolicyDocument
 from policies.render import (
     DEFAULT_MAX_NUM_SEQS,
     batch_size_schedule,
+    sglang_launch_args,
     trtllm_extra_options_yaml,
     vllm_serve_args,
 )
@@ -70,11 +71,19 @@ def _cmd_canonical(args: argparse.Namespace) -> int:
 
 def _cmd_render(args: argparse.Namespace) -> int:
     doc = _load(args.file)
-    schedule = batch_size_schedule(doc, args.engine, args.max_num_seqs) if args.schedule else None
+    seqs = args.max_num_seqs
+    schedule = batch_size_schedule(doc, args.engine, seqs) if args.schedule else None
     if args.target == "vllm":
-        print(" ".join(_shell_quote(a) for a in vllm_serve_args(doc, args.engine, schedule=schedule)))
+        rendered = vllm_serve_args(doc, args.engine, schedule=schedule, max_num_seqs=seqs)
+        print(" ".join(_shell_quote(a) for a in rendered))
+    elif args.target == "sglang":
+        rendered, adaptive = sglang_launch_args(doc, args.engine, schedule=schedule, max_num_seqs=seqs,
+                                                adaptive_config_path=args.adaptive_config)
+        if adaptive is not None:
+            Path(args.adaptive_config).write_text(json.dumps(adaptive, indent=2) + "\n")
+        print(" ".join(_shell_quote(a) for a in rendered))
     else:
-        sys.stdout.write(trtllm_extra_options_yaml(doc, args.engine, schedule=schedule))
+        sys.stdout.write(trtllm_extra_options_yaml(doc, args.engine, schedule=schedule, max_num_seqs=seqs))
     return 0
 
 
@@ -103,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("render", help="render an engine variant's configuration")
     p.add_argument("file")
     p.add_argument("--engine", required=True)
-    p.add_argument("--target", choices=["vllm", "trtllm"], default="vllm")
-    p.add_argument("--schedule", action="store_true", help="compile batch-size rules into the engine")
+    p.add_argument("--target", choices=["vllm", "trtllm", "sglang"], default="vllm")
+    p.add_argument("--schedule", action="store_true",
+                   help="compile batch-size rules into the engine as well (always, for schedule: in_engine)")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--adaptive-config", metavar="FILE",
+                   help="sglang: where to write the adaptive config an engine that drafts by batch size needs")
     p.set_defaults(run=_cmd_render)
     p = sub.add_parser("schema", help="print the JSON Schema of a policy document (for editors)")
     p.set_defaults(run=_cmd_schema)

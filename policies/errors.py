@@ -55,6 +55,7 @@ class ErrorCode(StrEnum):
     duplicate_rule_name = "duplicate_rule_name"
     shadowed_rule = "shadowed_rule"
     too_complex = "too_complex"
+    schedule_conflict = "schedule_conflict"
     # a safeguard: a document that did not validate without any more precise error being found
     invalid = "invalid"
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.model import PlainEngine, PolicyDocument, Range, Rule, Then, When, engine_k
+from policies.schedule import group_key
 from policies.shape import Decision, RequestShape, sticky_fraction
 
 KILL_SWITCH_RULE = "kill-switch"
@@ -120,12 +121,49 @@ def matches(when: When, shape: RequestShape, engine: str | None = None) -> bool:
     return True
 
 
+def routed_rules(doc: PolicyDocument) -> list[tuple[Rule, bool]]:
+    """The rules in the order the router tries them, each with whether it serves without drafts.
+
+    An engine with ``schedule: in_engine`` applies its rules' batch ranges itself (policies.schedule). Its rules
+    decide as written, with the batch the router sees; after the last rule of each group (rules for that engine
+    whose other predicates are equal) comes the group's catch-all: its predicates without the batch, its first
+    rule's name, the same engine with K 0. A request no range of the group holds is served there without drafts
+    (where the engine's schedule says 0) instead of falling through to the rules after it.
+    """
+    in_engine = doc.in_engine_schedules
+    if not in_engine:
+        return [(rule, False) for rule in doc.rules]
+    last: dict[str, int] = {}
+    first: dict[str, Rule] = {}
+    for index, rule in enumerate(doc.rules):
+        if rule.then.engine in in_engine and rule.when.batch_size is not None:
+            key = f"{rule.then.engine}\n{group_key(rule.when)}"
+            first.setdefault(key, rule)
+            last[key] = index
+    after = {index: key for key, index in last.items()}
+    routed: list[tuple[Rule, bool]] = []
+    for index, rule in enumerate(doc.rules):
+        routed.append((rule, False))
+        group = after.get(index)
+        if group is not None:
+            head = first[group]
+            routed.append((head.model_copy(update={"when": head.when.model_copy(update={"batch_size": None})}),
+                           True))
+    return routed
+
+
+def _routed_decision(doc: PolicyDocument, rule: Rule, without_drafts: bool, revision: str) -> Decision:
+    if without_drafts:
+        return Decision(rule.then.engine, False, 0, rule.name, doc.name, revision)
+    return _decision_for(doc, rule.then, rule.name, revision)
+
+
 def interpret(doc: PolicyDocument, shape: RequestShape, revision: str = "", *,
               cohort_secret: str = "") -> Decision:
     decision = _decision_for(doc, doc.default, DEFAULT_RULE, revision)
-    for rule in doc.rules:
+    for rule, without_drafts in routed_rules(doc):
         if matches(rule.when, shape, rule.then.engine):
-            decision = _decision_for(doc, rule.then, rule.name, revision)
+            decision = _routed_decision(doc, rule, without_drafts, revision)
             break
     rate = doc.exploration.rate
     key = exploration_key(shape, doc.exploration.window_s)
@@ -335,8 +373,8 @@ def _build(doc: PolicyDocument, revision: str, salt: str) -> tuple[Callable[[Req
 
     pieces: list[_Piece] = []
     decisions: list[tuple[Decision, Decision | None]] = []
-    for position, rule in enumerate(doc.rules):
-        decision = _decision_for(doc, rule.then, rule.name, revision)
+    for position, (rule, without_drafts) in enumerate(routed_rules(doc)):
+        decision = _routed_decision(doc, rule, without_drafts, revision)
         alternative = _explored_alternative(doc, decision)
         reads: set[str] = set()
         condition = _condition(em, rule.when, reads, rule.then.engine)

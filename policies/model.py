@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -147,10 +148,22 @@ class PlainEngine(_Strict):
     description: str | None = None
 
 
+# Where a speculative engine's batch-size rules are applied. "router" (what None means; None, so that a document
+# without the field keeps its revision id): the sidecar tests each rule's batch and sends a request elsewhere
+# outside it. "in_engine": the sidecar sends every request a rule's other predicates match to the engine, and the
+# engine drafts by a schedule over its own running batch compiled from those rules (policies.schedule; vLLM's
+# num_speculative_tokens_per_batch_size), K=0 where no rule drafts: one copy of the weights, and the engine sees
+# its batch at every step where the sidecar sees it once, at admission.
+# "router" is read as None: the two mean the same, so they must make the same revision id.
+ScheduleMode = Annotated[Literal["router", "in_engine"],
+                         AfterValidator(lambda mode: None if mode == "router" else mode)]
+
+
 class NgramEngine(_Strict):
     method: Literal["ngram"]
     description: str | None = None
     num_speculative_tokens: SpeculativeTokens
+    schedule: ScheduleMode | None = None
     prompt_lookup_min: Annotated[int, Field(ge=1, le=64)] | None = None
     prompt_lookup_max: Annotated[int, Field(ge=1, le=64)] | None = None
 
@@ -172,6 +185,7 @@ class DraftModelEngine(_Strict):
     model: NonEmptyStr
     num_speculative_tokens: SpeculativeTokens
     draft_tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] | None = None
+    schedule: ScheduleMode | None = None
 
 
 class EagleEngine(_Strict):
@@ -179,12 +193,14 @@ class EagleEngine(_Strict):
     description: str | None = None
     model: NonEmptyStr
     num_speculative_tokens: SpeculativeTokens
+    schedule: ScheduleMode | None = None
 
 
 class MtpEngine(_Strict):
     method: Literal["mtp"]
     description: str | None = None
     num_speculative_tokens: SpeculativeTokens
+    schedule: ScheduleMode | None = None
 
 
 Engine = Annotated[
@@ -199,6 +215,11 @@ ENGINE_MODELS = (PlainEngine, NgramEngine, DraftModelEngine, EagleEngine, MtpEng
 def engine_k(engine: PlainEngine | SpeculativeEngine) -> int:
     """Draft length an engine variant is configured with; 0 for a plain engine."""
     return 0 if isinstance(engine, PlainEngine) else engine.num_speculative_tokens
+
+
+def schedules_in_engine(engine: PlainEngine | SpeculativeEngine | None) -> bool:
+    """Whether the engine applies its rules' batch ranges itself (``schedule: in_engine``)."""
+    return engine is not None and not isinstance(engine, PlainEngine) and engine.schedule == "in_engine"
 
 
 class Exploration(_Strict):
@@ -247,6 +268,11 @@ class PolicyDocument(_Strict):
     guardrails: Guardrails = Guardrails()
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    @property
+    def in_engine_schedules(self) -> frozenset[str]:
+        """The engines whose batch rules run inside the engine."""
+        return frozenset(name for name, engine in self.engines.items() if schedules_in_engine(engine))
 
     @property
     def resolved_plain_engine(self) -> str:

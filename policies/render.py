@@ -3,8 +3,10 @@
 The sidecar decides per request; the engine can additionally be told to stop
 drafting when its own running batch grows past what the policy allows
 (vLLM ``num_speculative_tokens_per_batch_size``, TensorRT-LLM
-``draft_len_schedule``). That is a second line of defence: the sidecar sees
-the batch at admission, the engine sees it at every step.
+``draft_len_schedule``). For a router engine that is a second line of defence
+(``--schedule``): the sidecar sees the batch at admission, the engine sees it
+at every step. For an engine with ``schedule: in_engine`` it is the only one,
+and always rendered (policies.schedule).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from policies.model import (
     PlainEngine,
     PolicyDocument,
     engine_k,
+    schedules_in_engine,
 )
+from policies.schedule import engine_schedule
 
 # vLLM's default max_num_seqs; the schedule must cover every batch size the engine can run.
 DEFAULT_MAX_NUM_SEQS = 256
@@ -58,6 +62,10 @@ def batch_size_schedule(doc: PolicyDocument, engine_name: str,
     if max_num_seqs < 1:
         raise RenderError("max_num_seqs must be at least 1")
     full_k = engine_k(engine)
+    if schedules_in_engine(engine):
+        segments = engine_schedule(engine_name, full_k, enumerate(doc.rules), doc.default, doc.exploration)
+        return [(lo, min(hi, max_num_seqs) if hi is not None else max_num_seqs, k)
+                for lo, hi, k in segments if lo <= max_num_seqs]
     k_at = [0] * (max_num_seqs + 1)
 
     def allow(lo: int, hi: int, k: int) -> None:
@@ -85,13 +93,22 @@ def batch_size_schedule(doc: PolicyDocument, engine_name: str,
     return schedule
 
 
-def vllm_speculative_config(doc: PolicyDocument, engine_name: str, *,
-                            schedule: list[ScheduleEntry] | None = None) -> dict[str, Any] | None:
+def _schedule_for(doc: PolicyDocument, engine_name: str, schedule: list[ScheduleEntry] | None,
+                  max_num_seqs: int) -> list[ScheduleEntry] | None:
+    """The schedule asked for, else the one an engine that schedules in the engine always carries."""
+    if schedule is None and schedules_in_engine(_engine(doc, engine_name)):
+        return batch_size_schedule(doc, engine_name, max_num_seqs)
+    return schedule
+
+
+def vllm_speculative_config(doc: PolicyDocument, engine_name: str, *, schedule: list[ScheduleEntry] | None = None,
+                            max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> dict[str, Any] | None:
     """The ``--speculative-config`` object, or None for a plain engine."""
     engine = _engine(doc, engine_name)
     config: dict[str, Any]
     if isinstance(engine, PlainEngine):
         return None
+    schedule = _schedule_for(doc, engine_name, schedule, max_num_seqs)
     if isinstance(engine, NgramEngine):
         config = {"method": "ngram", "num_speculative_tokens": engine.num_speculative_tokens}
         if engine.prompt_lookup_max is not None:
@@ -115,15 +132,15 @@ def vllm_speculative_config(doc: PolicyDocument, engine_name: str, *,
     return config
 
 
-def vllm_serve_args(doc: PolicyDocument, engine_name: str, *,
-                    schedule: list[ScheduleEntry] | None = None) -> list[str]:
+def vllm_serve_args(doc: PolicyDocument, engine_name: str, *, schedule: list[ScheduleEntry] | None = None,
+                    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> list[str]:
     """Arguments to add to ``vllm serve`` for this engine variant.
 
     Per-request metrics are what the sidecar records acceptance from. A plain
     engine gets only ``--enable-per-request-metrics``: vLLM refuses
     ``--per-request-spec-decode-metrics`` without speculation.
     """
-    config = vllm_speculative_config(doc, engine_name, schedule=schedule)
+    config = vllm_speculative_config(doc, engine_name, schedule=schedule, max_num_seqs=max_num_seqs)
     if config is None:
         return ["--enable-per-request-metrics"]
     return [
@@ -138,12 +155,13 @@ _TRT_DECODING_TYPES = {
 }
 
 
-def trtllm_speculative_config(doc: PolicyDocument, engine_name: str, *,
-                              schedule: list[ScheduleEntry] | None = None) -> dict[str, Any] | None:
+def trtllm_speculative_config(doc: PolicyDocument, engine_name: str, *, schedule: list[ScheduleEntry] | None = None,
+                              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> dict[str, Any] | None:
     """TensorRT-LLM's ``speculative_config`` for ``trtllm-serve``, or None for plain."""
     engine = _engine(doc, engine_name)
     if isinstance(engine, PlainEngine):
         return None
+    schedule = _schedule_for(doc, engine_name, schedule, max_num_seqs)
     config: dict[str, Any] = {
         "decoding_type": _TRT_DECODING_TYPES[engine.method],
         "max_draft_len": engine.num_speculative_tokens,
@@ -175,10 +193,73 @@ def trtllm_draft_len_schedule(schedule: list[ScheduleEntry]) -> dict[int, int]:
     return {hi: k for _, hi, k in entries}
 
 
-def trtllm_extra_options_yaml(doc: PolicyDocument, engine_name: str, *,
-                              schedule: list[ScheduleEntry] | None = None) -> str:
+def trtllm_extra_options_yaml(doc: PolicyDocument, engine_name: str, *, schedule: list[ScheduleEntry] | None = None,
+                              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> str:
     """The ``--extra_llm_api_options`` YAML file for ``trtllm-serve``."""
-    config = trtllm_speculative_config(doc, engine_name, schedule=schedule)
+    config = trtllm_speculative_config(doc, engine_name, schedule=schedule, max_num_seqs=max_num_seqs)
     if config is None:
         return "{}\n"
     return yaml.safe_dump({"speculative_config": config}, sort_keys=False, default_flow_style=False)
+
+
+# --- SGLang ------------------------------------------------------------------------------------------------------
+# Argument names as SGLang 0.5.23 defines them (sglang/srt/arg_groups/fields/spec.py and speculative_hook.py;
+# docs: docs.sglang.io, advanced_features/speculative_decoding and adaptive_speculative_decoding). SGLang counts
+# draft steps and verified tokens: with one chain (--speculative-eagle-topk 1) it verifies steps + 1 tokens, the
+# last accepted token included, and forces that when topk is 1; K drafted tokens are K steps.
+SGLANG_VERSION = "0.5.23"
+_SGLANG_ALGORITHMS = {
+    "ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3",
+    # SGLang runs multi-token-prediction heads through its EAGLE worker (NEXTN is an alias of EAGLE); for
+    # DeepSeek- and GLM-style checkpoints it fills in the draft path from the model itself.
+    "mtp": "EAGLE",
+}
+# Only the adaptive mode drafts by batch size, and only for these (with topk 1; 0 steps from 0.5.14).
+_SGLANG_ADAPTIVE = frozenset({"eagle", "eagle3", "mtp"})
+
+
+def sglang_adaptive_config(schedule: list[ScheduleEntry]) -> dict[str, Any]:
+    """``--speculative-adaptive-config``: each key a batch size from which its slot's draft steps apply.
+
+    One candidate per slot pins the steps there (the adaptive mode would otherwise move between candidates by
+    acceptance). SGLang looks the batch up after padding it to its CUDA-graph sizes, so a bound between two
+    graph sizes takes effect from the next one up.
+    """
+    return {str(lo): {"candidate_steps": [k]} for lo, _, k in schedule}
+
+
+def sglang_launch_args(doc: PolicyDocument, engine_name: str, *, schedule: list[ScheduleEntry] | None = None,
+                       max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                       adaptive_config_path: str | None = None) -> tuple[list[str], dict[str, Any] | None]:
+    """Arguments to add to ``python -m sglang.launch_server`` for this engine variant, and the adaptive config
+    to write at ``adaptive_config_path`` when the engine drafts by batch size (None otherwise)."""
+    engine = _engine(doc, engine_name)
+    if isinstance(engine, PlainEngine):
+        return [], None
+    if isinstance(engine, DraftModelEngine) and engine.draft_tensor_parallel_size is not None:
+        raise RenderError(f"engine '{engine_name}': draft_tensor_parallel_size has no SGLang {SGLANG_VERSION} "
+                          "argument to render to")
+    schedule = _schedule_for(doc, engine_name, schedule, max_num_seqs)
+    k = engine.num_speculative_tokens
+    if schedule is not None:
+        if engine.method not in _SGLANG_ADAPTIVE:
+            raise RenderError(f"engine '{engine_name}' (method {engine.method}): SGLang {SGLANG_VERSION} drafts by "
+                              "batch size only in its adaptive mode, which runs EAGLE, EAGLE3 and MTP heads")
+        # The starting steps must be one of the candidates (checked at start-up since 0.5.19): batch 1's.
+        k = schedule[0][2]
+    args = ["--speculative-algorithm", _SGLANG_ALGORITHMS[engine.method]]
+    if isinstance(engine, (DraftModelEngine, EagleEngine)):
+        args += ["--speculative-draft-model-path", engine.model]
+    if isinstance(engine, NgramEngine):
+        # The n-gram worker matches against a trie of earlier tokens, not a prompt-lookup window: there is no
+        # counterpart of prompt_lookup_min/max, and its topk is its BFS breadth.
+        args += ["--speculative-num-draft-tokens", str(k + 1)]
+        return args, None
+    args += ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", str(k + 1)]
+    if schedule is None:
+        return args, None
+    if adaptive_config_path is None:
+        raise RenderError(f"engine '{engine_name}' drafts by batch size: its adaptive config needs a path")
+    return [*args, "--speculative-adaptive", "--speculative-adaptive-config", adaptive_config_path], \
+        sglang_adaptive_config(schedule)

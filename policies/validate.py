@@ -37,7 +37,9 @@ from policies.model import (
     Then,
     When,
     engine_k,
+    schedules_in_engine,
 )
+from policies.schedule import contributors, describe, group_key
 
 MAX_DOCUMENT_BYTES = 256 * 1024
 # The most a document may cost its compiled form (policies.evaluate.compiled_size): a rule's line and tests,
@@ -48,6 +50,8 @@ MAX_COMPILED_TESTS = 20_000
 
 _ENGINE_ADAPTER: TypeAdapter[Any] = TypeAdapter(Engine)
 _RULE_ADAPTER: TypeAdapter[Rule] = TypeAdapter(Rule)
+_THEN_ADAPTER: TypeAdapter[Then] = TypeAdapter(Then)
+_EXPLORATION_ADAPTER: TypeAdapter[Exploration] = TypeAdapter(Exploration)
 
 _TYPE_NAMES = {
     "int_type": "an integer",
@@ -533,10 +537,12 @@ def _semantic_errors(raw: Mapping[str, Any]) -> list[FieldError]:
     rule_errors, valid_rules = _rule_errors(raw.get("rules"), engines)
     errors += rule_errors
     errors += _then_errors("default", raw.get("default"), engines)
-    errors += _shadowed_rules(valid_rules)
+    shadowed = _shadowed_rules(valid_rules)
+    errors += shadowed
     errors += _compiled_size_errors(valid_rules)
     if engines is not None:
         errors += _exploration_errors(raw.get("exploration"), engines)
+        errors += _in_engine_errors(raw, engines, valid_rules, {e.path for e in shadowed})
     return errors
 
 
@@ -711,6 +717,65 @@ def _exploration_errors(exploration: Any, engines: Mapping[str, Any]) -> list[Fi
                            "required when exploration.rate > 0: the engine that explored "
                            "plain decisions are sent to")]
     return []
+
+
+def _valid_or_none(adapter: TypeAdapter[Any], raw: Any) -> Any:
+    try:
+        return adapter.validate_python(raw, strict=True)
+    except ValidationError:
+        return None  # reported by the structural pass
+
+
+def _in_engine_errors(raw: Mapping[str, Any], engines: Mapping[str, Any], valid_rules: list[tuple[int, Rule]],
+                      already_shadowed: set[str]) -> list[FieldError]:
+    """An engine that schedules in the engine has one schedule (policies.schedule): every way requests reach it
+    must imply the same one, and a later rule that its rules now take every request from can never match."""
+    in_engine = {name: engine for name, engine in engines.items() if schedules_in_engine(engine)}
+    if not in_engine:
+        return []
+    default = _valid_or_none(_THEN_ADAPTER, raw.get("default"))
+    exploration = _valid_or_none(_EXPLORATION_ADAPTER, raw.get("exploration", {}))
+    errors: list[FieldError] = []
+    for name, engine in in_engine.items():
+        found = contributors(name, engine_k(engine), valid_rules, default, exploration)
+        for other in found[1:]:
+            if other.segments == found[0].segments:
+                continue
+            why = ""
+            if other.path == "exploration.speculative_engine":
+                why = ("; explored requests there would get the engine's schedule instead of being speculated: "
+                       "explore on another speculative engine")
+            errors.append(FieldError(
+                other.path, ErrorCode.schedule_conflict,
+                f"engine '{name}' schedules in the engine (schedule: in_engine), one schedule for every request "
+                f"it gets: {other.label} implies {describe(other.segments)}, but {found[0].label} implies "
+                f"{describe(found[0].segments)}{why}"))
+    # After a group's last rule its catch-all takes every request of its other predicates, whatever the batch
+    # (policies.evaluate.routed_rules): a later rule it covers is never reached.
+    groups: dict[str, tuple[int, Rule, int]] = {}  # group -> first index, first rule, last index
+    for i, rule in valid_rules:
+        if rule.then.engine in in_engine and rule.when.batch_size is not None:
+            key = f"{rule.then.engine}\n{group_key(rule.when)}"
+            first_index, first_rule, _ = groups.get(key, (i, rule, i))
+            groups[key] = (first_index, first_rule, i)
+    catch_alls = sorted((last, first_index, first_rule, _Facts.of(first_rule.when.model_copy(
+        update={"batch_size": None}))) for first_index, first_rule, last in groups.values())
+    for later_index, later in valid_rules:
+        if f"rules[{later_index}]" in already_shadowed:
+            continue
+        facts = _Facts.of(later.when, later.then.engine)
+        for last, first_index, first_rule, group_facts in catch_alls:
+            if last >= later_index:
+                break
+            if _covers(group_facts, facts):
+                errors.append(FieldError(
+                    f"rules[{later_index}]", ErrorCode.shadowed_rule,
+                    f"rule '{later.name}' (rules[{later_index}]) can never match: engine "
+                    f"'{first_rule.then.engine}' schedules in the engine (schedule: in_engine), so from "
+                    f"rules[{last}] on it takes every request that rules[{first_index}] ('{first_rule.name}') "
+                    "matches whatever the batch, and those include every request this rule would match"))
+                break
+    return errors
 
 
 def _undefined(path: str, name: str, engines: Mapping[str, Any]) -> FieldError:

@@ -685,8 +685,8 @@ class SidecarApp:
         return fallback
 
     def _retry_target(self, call: _Call, fallback: str, now: float) -> Replica | None:
-        """Where a request whose replica failed goes next: another healthy replica of its engine, else for a
-        speculative decision one of the fallback pool's; None: nowhere (or no attempt left)."""
+        """Where a request whose replica failed goes next: another healthy replica of its engine, else (for a
+        decision on another engine) one of the fallback pool's; None: nowhere (or no attempt left)."""
         if call.retries >= MAX_ATTEMPTS - 1:
             return None
         pools = self.pools
@@ -694,7 +694,9 @@ class SidecarApp:
         choice = pools.choose(call.engine, now, None, exclude=tried)
         if choice.replica is not None:
             return choice.replica
-        if call.decision.speculate and call.engine != fallback and fallback in pools.pools:
+        # Any engine but the fallback's: an in-engine schedule's decision without drafts (speculate false) runs
+        # on a speculative engine too, and the plain pool serves it as well.
+        if call.engine != fallback and fallback in pools.pools:
             return pools.choose(fallback, now, None, exclude=tried).replica
         return None
 

@@ -65,6 +65,7 @@ class ProblemCode(StrEnum):
     duplicate_rule_name = "duplicate_rule_name"
     shadowed_rule = "shadowed_rule"
     too_complex = "too_complex"
+    schedule_conflict = "schedule_conflict"
     invalid = "invalid"
     # the body as a whole
     invalid_json = "invalid_json"

@@ -46,7 +46,7 @@ STRUCTURAL = frozenset({
 SEMANTIC = frozenset({
     "inverted_range", "undefined_engine", "no_plain_engine", "ambiguous_plain_engine", "not_plain_engine",
     "not_speculative_engine", "plain_engine_k", "k_above_engine", "duplicate_rule_name", "shadowed_rule",
-    "too_complex",
+    "too_complex", "schedule_conflict",
 })
 TEXT = frozenset({"yaml_syntax", "duplicate_key", "document_too_large", "empty_document", "invalid_encoding"})
 

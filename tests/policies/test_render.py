@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,24 +29,10 @@ from policies.render import (
     vllm_speculative_config,
 )
 from tests.support import paths
+from tests.support.golden import GOLDEN, UPDATE, assert_golden
 from tests.support.policy_strategies import raw_documents, shapes, validate_generated
 
 EXAMPLES = sorted(paths.EXAMPLES.glob("*.yaml"))
-GOLDEN = Path(__file__).resolve().parent / "golden"
-UPDATE = os.environ.get("SPECGATE_UPDATE_GOLDEN") == "1"
-
-
-def assert_golden(relative: str, text: str) -> None:
-    path = GOLDEN / relative
-    if UPDATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        return
-    assert path.exists(), f"missing golden file {path}; run with SPECGATE_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(), f"{path} differs; if the change is intended, rerun with " \
-                                     "SPECGATE_UPDATE_GOLDEN=1 and review the diff"
-
-
 def _cases() -> list[Any]:
     out = []
     for path in EXAMPLES:

@@ -17,7 +17,9 @@ import yaml
 
 import policies
 from policies import ErrorCode, PolicyValidationError, RequestShape
-from policies.model import When
+from policies.model import When, engine_k
+from policies.render import batch_size_schedule
+from policies.schedule import engine_schedule
 from tests.support import paths
 
 VECTORS = paths.VECTORS
@@ -52,6 +54,7 @@ KNOWN_CODES = frozenset(
         "duplicate_rule_name",
         "shadowed_rule",
         "too_complex",
+        "schedule_conflict",
         # text
         "yaml_syntax",
         "duplicate_key",
@@ -138,6 +141,36 @@ def test_valid_vector(group: dict[str, Any], case: dict[str, Any]) -> None:
         assert type(decision.speculate) is bool
         assert type(decision.explored) is bool
         assert type(decision.num_speculative_tokens) is int
+
+
+def _schedule_params() -> list[Any]:
+    return [pytest.param(group, engine, expected, id=f"{group['name']}/{engine}")
+            for group in VALID_GROUPS for engine, expected in group.get("schedules", {}).items()]
+
+
+@pytest.mark.parametrize(("group", "engine", "expected"), _schedule_params())
+def test_in_engine_schedule_vector(group: dict[str, Any], engine: str, expected: list[list[Any]]) -> None:
+    document = policies.load_policy(yaml.safe_dump(group["policy"], sort_keys=False))
+    assert engine in document.in_engine_schedules
+    spec = document.engines[engine]
+    segments = engine_schedule(engine, engine_k(spec), enumerate(document.rules), document.default,
+                               document.exploration)
+    assert [list(s) for s in segments] == expected
+    # what vLLM is given: the same bands, cut at the engine's largest batch
+    rendered = batch_size_schedule(document, engine, 64)
+    assert rendered == [(lo, 64 if hi is None else hi, k) for lo, hi, k in expected]
+    # and every band holds what the router decides there, for a request of every route the rules send to it
+    compiled = policies.compile_policy(document, REVISION)
+    routes = {route for rule in document.rules if rule.then.engine == engine for route in rule.when.route or ()}
+    for lo, hi, k in expected:
+        for batch in {lo, hi if hi is not None else lo + 100}:
+            for route in routes:
+                decision = compiled.decide(RequestShape(route=route, batch_size=batch))
+                assert (decision.engine, decision.num_speculative_tokens, decision.speculate) == (engine, k, k > 0)
+
+
+def test_in_engine_schedules_are_pinned() -> None:
+    assert _schedule_params(), "no valid vector pins an in-engine schedule"
 
 
 # --- validation ------------------------------------------------------------------------

@@ -392,6 +392,38 @@ def test_spec_pool_down_goes_to_the_plain_pool_and_no_plain_pool_is_a_503_with_r
     assert "retry-after" in models.headers
 
 
+IN_ENGINE = policies.load_policy("""apiVersion: specgate/v1
+name: in-engine
+engines:
+  base: {method: none}
+  draft: {method: draft_model, model: models/draft, num_speculative_tokens: 3, schedule: in_engine}
+rules:
+  - name: chat-draft-small
+    when: {route: [chat], batch_size: {max: 2}}
+    then: {engine: draft}
+default: {engine: base}
+""")
+
+
+def test_a_decision_without_drafts_on_an_in_engine_engine_is_retried_on_the_plain_pool(
+        make_sidecar: SidecarFactory, base: FakeEngine) -> None:
+    # The worker's batch is 6: the in-engine engine still gets the chat request, to run it without drafts
+    # (speculate false). Its only replica refuses connections: like a speculative decision, it goes to the
+    # plain pool rather than failing.
+    base.running = 5
+    dead_draft = f"http://127.0.0.1:{closed_port()}"
+    sidecar = make_sidecar(engines={"draft": dead_draft, "base": base.url}, eject_after=50, engine_metrics_s=0.05,
+                           bundle=policies.CompiledBundle(policies.BundlePayload(policies.Revision.of(IN_ENGINE))))
+    wait_for(lambda: sidecar.app.pools.total == 5)
+    response = chat(sidecar)
+    assert response.status_code == 200
+    assert response.headers["x-specgate-fallback"] == "engine=base; reason=connect_error"
+    event = sidecar.exporter.one()
+    assert (event.decided_engine, event.engine, event.speculate, event.retries, event.fallback) == (
+        "draft", "base", False, 1, True)
+    assert event.rule == "chat-draft-small"
+
+
 def test_a_saturated_speculative_pool_sends_requests_to_the_plain_pool(
         make_sidecar: SidecarFactory, draft: FakeEngine, base: FakeEngine) -> None:
     # No batch rule would stop speculation here (the batch is 1): the queue bound does.

@@ -239,3 +239,43 @@ def _replace(shape: RequestShape, **changes: Any) -> RequestShape:
     data = shape.to_dict()
     data.update(changes)
     return RequestShape(**data)
+
+
+def _other_predicates(rule: dict[str, Any]) -> str:
+    """A rule's predicates other than batch_size, in a normal form (its group, for an in-engine engine)."""
+    when = {k: v for k, v in rule.get("when", {}).items() if k != "batch_size"}
+    for name in ("route", "model"):
+        if name in when:
+            when[name] = sorted(set(when[name]))
+    if "labels" in when:
+        when["labels"] = {k: sorted(set([v] if isinstance(v, str) else v)) for k, v in when["labels"].items()}
+    return repr(sorted(when.items()))
+
+
+@st.composite
+def in_engine_documents(draw: st.DrawFn) -> dict[str, Any]:
+    """A raw document with one speculative engine marked ``schedule: in_engine``, repaired into one the validator
+    accepts but for shadowed rules: one group of rules for that engine, and neither the default nor exploration
+    sending requests there."""
+    raw = draw(raw_documents(min_rules=1))
+    speculative = speculative_names(raw["engines"])
+    if not speculative:
+        raw["engines"]["in-engine"] = {"method": "ngram", "num_speculative_tokens": draw(st.integers(1, 16))}
+        speculative = ["in-engine"]
+    engine = draw(st.sampled_from(speculative))
+    raw["engines"][engine] = {**raw["engines"][engine], "schedule": "in_engine"}
+    if raw["default"]["engine"] == engine:
+        raw["default"] = {"engine": "base"}
+    if raw.get("exploration", {}).get("speculative_engine") == engine:
+        del raw["exploration"]
+    group: str | None = None
+    kept = []
+    for rule in raw.get("rules", []):
+        if rule["then"]["engine"] == engine:
+            key = _other_predicates(rule)
+            group = key if group is None else group
+            if key != group:
+                continue
+        kept.append(rule)
+    raw["rules"] = kept
+    return raw
