@@ -115,15 +115,23 @@ class Engines:
         self.state_dir = state_dir
         self.base_port = engines.free_base_port(("base", "draft", "base-2", "draft-2"), base_port)
         self.running: set[str] = set()
+        self.started_with: dict[str, Any] = {}  # what each running engine was started with
 
-    def want(self, names: Sequence[str]) -> dict[str, str]:
-        extra = sorted(self.running - set(names))
+    def want(self, names: Sequence[str], schedules: dict[str, list[list[int]]] | None = None,
+             extra_env: dict[str, str] | None = None) -> dict[str, str]:
+        """These engines and no others, each started with its draft schedule (None: none) and ``extra_env``;
+        one running with other settings is restarted."""
+        schedules = schedules or {}
+        wanted = {n: (schedules.get(n), sorted((extra_env or {}).items())) for n in names}
+        extra = sorted(self.running - set(names)
+                       | {n for n in self.running & set(names) if self.started_with.get(n) != wanted[n]})
         if extra:
             self.engines.stop(extra, state_dir=self.state_dir)
             self.running -= set(extra)
+        self.started_with = wanted
         t0 = time.monotonic()
         urls = self.engines.start(list(names), self.base_port, state_dir=self.state_dir, testbed=self.testbed,
-                                  timeout_s=900.0, die_with_parent=True)
+                                  timeout_s=900.0, die_with_parent=True, schedules=schedules, extra_env=extra_env)
         started = sorted(set(names) - self.running)
         self.running |= set(names)
         if started:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.model import PlainEngine, PolicyDocument, Range, Rule, Then, When, engine_k
-from policies.schedule import group_key
+from policies.schedule import catch_alls
 from policies.shape import Decision, RequestShape, sticky_fraction
 
 KILL_SWITCH_RULE = "kill-switch"
@@ -133,22 +133,13 @@ def routed_rules(doc: PolicyDocument) -> list[tuple[Rule, bool]]:
     in_engine = doc.in_engine_schedules
     if not in_engine:
         return [(rule, False) for rule in doc.rules]
-    last: dict[str, int] = {}
-    first: dict[str, Rule] = {}
-    for index, rule in enumerate(doc.rules):
-        if rule.then.engine in in_engine and rule.when.batch_size is not None:
-            key = f"{rule.then.engine}\n{group_key(rule.when)}"
-            first.setdefault(key, rule)
-            last[key] = index
-    after = {index: key for key, index in last.items()}
+    after: dict[int, list[Rule]] = {}
+    for catch_all in catch_alls(enumerate(doc.rules), in_engine):
+        after.setdefault(catch_all.after, []).append(catch_all.rule)
     routed: list[tuple[Rule, bool]] = []
     for index, rule in enumerate(doc.rules):
         routed.append((rule, False))
-        group = after.get(index)
-        if group is not None:
-            head = first[group]
-            routed.append((head.model_copy(update={"when": head.when.model_copy(update={"batch_size": None})}),
-                           True))
+        routed += [(extra, True) for extra in after.get(index, ())]
     return routed
 
 

@@ -222,8 +222,9 @@ def sglang_adaptive_config(schedule: list[ScheduleEntry]) -> dict[str, Any]:
     """``--speculative-adaptive-config``: each key a batch size from which its slot's draft steps apply.
 
     One candidate per slot pins the steps there (the adaptive mode would otherwise move between candidates by
-    acceptance). SGLang looks the batch up after padding it to its CUDA-graph sizes, so a bound between two
-    graph sizes takes effect from the next one up.
+    acceptance). SGLang pads the running batch up to its next CUDA-graph size and then takes the slot whose key
+    is the largest at or below that padded size, so a band that starts between two graph sizes already applies
+    to batches just above the smaller one: put band edges on graph sizes where it matters.
     """
     return {str(lo): {"candidate_steps": [k]} for lo, _, k in schedule}
 
@@ -245,8 +246,9 @@ def sglang_launch_args(doc: PolicyDocument, engine_name: str, *, schedule: list[
         if engine.method not in _SGLANG_ADAPTIVE:
             raise RenderError(f"engine '{engine_name}' (method {engine.method}): SGLang {SGLANG_VERSION} drafts by "
                               "batch size only in its adaptive mode, which runs EAGLE, EAGLE3 and MTP heads")
-        # The starting steps must be one of the candidates (checked at start-up since 0.5.19): batch 1's.
-        k = schedule[0][2]
+        # The starting steps must be one of the candidates (checked at start-up since 0.5.19): the largest, so
+        # that the drafting buffers are sized for every slot, and never 0 while any slot drafts.
+        k = max(entry[2] for entry in schedule)
     args = ["--speculative-algorithm", _SGLANG_ALGORITHMS[engine.method]]
     if isinstance(engine, (DraftModelEngine, EagleEngine)):
         args += ["--speculative-draft-model-path", engine.model]

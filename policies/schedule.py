@@ -20,7 +20,7 @@ the one they all imply.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,47 @@ def describe(segments: Iterable[Segment]) -> str:
 
 
 def group_key(when: When) -> str:
-    """The predicates other than batch_size, in a normal form: rules with equal keys form one group."""
+    """The predicates other than batch_size, in a normal form: rules with equal keys form one group.
+
+    Equal meaning, equal key: route and model sets are sorted and deduplicated, label values likewise, and a
+    range's ``min: 0`` beside a ``max`` is dropped (every count is at least 0; a range alone with ``min: 0`` is
+    kept, since it still refuses a request without that count).
+    """
     data: dict[str, Any] = when.model_dump(exclude={"batch_size"}, exclude_none=True)
     for name in ("route", "model"):
         if name in data:
             data[name] = sorted(set(data[name]))
     if "labels" in data:
         data["labels"] = {key: sorted(set(values)) for key, values in data["labels"].items()}
+    for name in ("max_tokens", "prompt_tokens"):
+        bounds = data.get(name)
+        if bounds is not None and bounds.get("min") == 0 and "max" in bounds:
+            del bounds["min"]
     return json.dumps(data, sort_keys=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CatchAll:
+    """After the last rule of a group for an in-engine engine: every request of the group's other predicates,
+    whatever the batch, to the engine without drafts (policies.evaluate.routed_rules)."""
+
+    after: int  # the index of the group's last rule; the catch-all is tried right after it
+    first: int  # the index of the group's first rule, whose name it decides under
+    rule: Rule  # that first rule without its batch range
+
+
+def catch_alls(rules: Iterable[tuple[int, Rule]], in_engine: Collection[str]) -> list[CatchAll]:
+    """One per group of rules (with a batch range) for the engines in ``in_engine``, in the order tried."""
+    groups: dict[str, tuple[int, Rule, int]] = {}
+    for index, rule in rules:
+        if rule.then.engine in in_engine and rule.when.batch_size is not None:
+            key = f"{rule.then.engine}\n{group_key(rule.when)}"
+            first_index, first_rule, _ = groups.get(key, (index, rule, index))
+            groups[key] = (first_index, first_rule, index)
+    found = [CatchAll(last, first_index,
+                      first_rule.model_copy(update={"when": first_rule.when.model_copy(update={"batch_size": None})}))
+             for first_index, first_rule, last in groups.values()]
+    return sorted(found, key=lambda c: c.after)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from policies.model import (
     engine_k,
     schedules_in_engine,
 )
-from policies.schedule import contributors, describe, group_key
+from policies.schedule import CatchAll, catch_alls, contributors, describe
 
 MAX_DOCUMENT_BYTES = 256 * 1024
 # The most a document may cost its compiled form (policies.evaluate.compiled_size): a rule's line and tests,
@@ -539,10 +539,12 @@ def _semantic_errors(raw: Mapping[str, Any]) -> list[FieldError]:
     errors += _then_errors("default", raw.get("default"), engines)
     shadowed = _shadowed_rules(valid_rules)
     errors += shadowed
-    errors += _compiled_size_errors(valid_rules)
+    in_engine = {name for name, engine in (engines or {}).items() if schedules_in_engine(engine)}
+    added = catch_alls(valid_rules, in_engine)
+    errors += _compiled_size_errors(valid_rules, [c.rule for c in added])
     if engines is not None:
         errors += _exploration_errors(raw.get("exploration"), engines)
-        errors += _in_engine_errors(raw, engines, valid_rules, {e.path for e in shadowed})
+        errors += _in_engine_errors(raw, engines, valid_rules, added, {e.path for e in shadowed})
     return errors
 
 
@@ -684,9 +686,12 @@ def _shadowed_rules(valid_rules: list[tuple[int, Rule]]) -> list[FieldError]:
     return errors
 
 
-def _compiled_size_errors(valid_rules: list[tuple[int, Rule]]) -> list[FieldError]:
-    """Rules x routes: every rule is compiled into the function of each route it names, so the two multiply."""
-    total = compiled_size(rule for _, rule in valid_rules)
+def _compiled_size_errors(valid_rules: list[tuple[int, Rule]], catch_all_rules: list[Rule]) -> list[FieldError]:
+    """Rules x routes: every rule is compiled into the function of each route it names, so the two multiply.
+
+    The catch-alls of in-engine groups are compiled like rules (policies.evaluate.routed_rules), so they count.
+    """
+    total = compiled_size([*(rule for _, rule in valid_rules), *catch_all_rules])
     if total <= MAX_COMPILED_TESTS:
         return []
     biggest, where = max((compiled_tests(rule), i) for i, rule in valid_rules)
@@ -727,7 +732,7 @@ def _valid_or_none(adapter: TypeAdapter[Any], raw: Any) -> Any:
 
 
 def _in_engine_errors(raw: Mapping[str, Any], engines: Mapping[str, Any], valid_rules: list[tuple[int, Rule]],
-                      already_shadowed: set[str]) -> list[FieldError]:
+                      added: list[CatchAll], already_shadowed: set[str]) -> list[FieldError]:
     """An engine that schedules in the engine has one schedule (policies.schedule): every way requests reach it
     must imply the same one, and a later rule that its rules now take every request from can never match."""
     in_engine = {name: engine for name, engine in engines.items() if schedules_in_engine(engine)}
@@ -750,30 +755,32 @@ def _in_engine_errors(raw: Mapping[str, Any], engines: Mapping[str, Any], valid_
                 f"engine '{name}' schedules in the engine (schedule: in_engine), one schedule for every request "
                 f"it gets: {other.label} implies {describe(other.segments)}, but {found[0].label} implies "
                 f"{describe(found[0].segments)}{why}"))
+    # Batch sizes start at 1: a range that holds none of them would decide for a batch the engine never runs.
+    for i, rule in valid_rules:
+        r = rule.when.batch_size
+        if rule.then.engine in in_engine and r is not None and r.max is not None and r.max < 1:
+            errors.append(FieldError(
+                f"rules[{i}].when.batch_size.max", ErrorCode.out_of_range,
+                f"engine '{rule.then.engine}' schedules in the engine, which runs batches of 1 or more; a range "
+                f"up to {r.max} holds none of them"))
     # After a group's last rule its catch-all takes every request of its other predicates, whatever the batch
     # (policies.evaluate.routed_rules): a later rule it covers is never reached.
-    groups: dict[str, tuple[int, Rule, int]] = {}  # group -> first index, first rule, last index
-    for i, rule in valid_rules:
-        if rule.then.engine in in_engine and rule.when.batch_size is not None:
-            key = f"{rule.then.engine}\n{group_key(rule.when)}"
-            first_index, first_rule, _ = groups.get(key, (i, rule, i))
-            groups[key] = (first_index, first_rule, i)
-    catch_alls = sorted((last, first_index, first_rule, _Facts.of(first_rule.when.model_copy(
-        update={"batch_size": None}))) for first_index, first_rule, last in groups.values())
+    takers = [(c, _Facts.of(c.rule.when)) for c in added]
     for later_index, later in valid_rules:
         if f"rules[{later_index}]" in already_shadowed:
             continue
         facts = _Facts.of(later.when, later.then.engine)
-        for last, first_index, first_rule, group_facts in catch_alls:
-            if last >= later_index:
+        for catch_all, group_facts in takers:
+            if catch_all.after >= later_index:
                 break
             if _covers(group_facts, facts):
                 errors.append(FieldError(
                     f"rules[{later_index}]", ErrorCode.shadowed_rule,
                     f"rule '{later.name}' (rules[{later_index}]) can never match: engine "
-                    f"'{first_rule.then.engine}' schedules in the engine (schedule: in_engine), so from "
-                    f"rules[{last}] on it takes every request that rules[{first_index}] ('{first_rule.name}') "
-                    "matches whatever the batch, and those include every request this rule would match"))
+                    f"'{catch_all.rule.then.engine}' schedules in the engine (schedule: in_engine), so after "
+                    f"rules[{catch_all.after}] it takes every request that rules[{catch_all.first}] "
+                    f"('{catch_all.rule.name}') matches whatever the batch, and those include every request this "
+                    "rule would match"))
                 break
     return errors
 

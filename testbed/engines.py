@@ -72,12 +72,18 @@ def speculative_config(variant: str, models: ModelPaths) -> dict[str, Any] | Non
     raise ValueError(f"unknown engine variant {variant!r}; known: {', '.join(VARIANTS)}")
 
 
-def server_args(variant: str, port: int, models: ModelPaths, *, host: str = "127.0.0.1") -> list[str]:
-    """The vLLM server's arguments (after the interpreter) for one variant."""
+def server_args(variant: str, port: int, models: ModelPaths, *, host: str = "127.0.0.1",
+                schedule: Sequence[Sequence[int]] | None = None) -> list[str]:
+    """The vLLM server's arguments (after the interpreter) for one variant; ``schedule`` ([[lo, hi, K], ...],
+    e.g. ``policies.render.batch_size_schedule``) makes a speculative variant draft by its running batch."""
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(models.target),
             "--served-model-name", MODEL_NAME, "--host", host, "--port", str(port),
             "--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--enable-per-request-metrics"]
     spec = speculative_config(variant, models)
+    if schedule is not None:
+        if spec is None:
+            raise ValueError(f"engine variant {variant!r} does not speculate: a draft schedule means nothing to it")
+        spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
     if spec is not None:
         # Per-request speculative metrics make a server without speculation refuse to start.
         args += ["--speculative-config", json.dumps(spec, separators=(",", ":")),
@@ -243,12 +249,15 @@ def cpu_binding(variant: str, cpus: Sequence[int] | None = None) -> dict[str, st
 
 def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT, *,
           state_dir: Path | None = None, timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None,
-          testbed: Testbed | None = None, quiet: bool = True, die_with_parent: bool = False) -> dict[str, str]:
+          testbed: Testbed | None = None, quiet: bool = True, die_with_parent: bool = False,
+          schedules: Mapping[str, Sequence[Sequence[int]]] | None = None) -> dict[str, str]:
     """Start the variants not already running (building environment and models if needed, unless ``testbed``
     names them); wait until all answer /health; return name -> base URL (``http://127.0.0.1:PORT``, OpenAI
     paths under ``/v1``, served model name ``MODEL_NAME``).
 
     On failure or timeout every engine this call started is stopped again, and the error names the log.
+    ``schedules``: an instance name -> its draft schedule (:func:`server_args`), for instances this call starts
+    (one already running keeps the arguments it was started with).
     ``die_with_parent``: the engines (vLLM's worker processes included) end when this process dies, for a
     caller that owns them for its lifetime; without it they outlive the caller (``specgate testbed start``).
     Call it from the main thread then: the kernel watches the thread that started them.
@@ -271,7 +280,8 @@ def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT
             with log.open("ab") as out:
                 out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} start {name} on port {port}\n".encode())
                 out.flush()
-                cmd = [str(testbed.python), *server_args(name, port, testbed.models)]
+                cmd = [str(testbed.python), *server_args(name, port, testbed.models,
+                                                         schedule=(schedules or {}).get(name))]
                 proc = subprocess.Popen(  # noqa: S603
                     lifeline.wrap(cmd, grace_s=ENGINE_STOP_GRACE_S) if die_with_parent else cmd,
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -15,7 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import RequestShape, compile_policy, interpret, load_policy, revision_id, validate_data
+from policies import (
+    PolicyValidationError,
+    RequestShape,
+    compile_policy,
+    interpret,
+    load_policy,
+    revision_id,
+    validate_data,
+)
 from policies.__main__ import main
 from policies.model import PlainEngine, Range, engine_k
 from policies.render import (
@@ -205,3 +213,62 @@ def test_the_cli_renders_for_sglang_and_writes_the_adaptive_config(
     # without a path for the adaptive config: a usage error that says so, and nothing written
     assert main(["render", str(policy), "--engine", "eagle", "--target", "sglang"]) == 2
     assert "adaptive config needs a path" in capsys.readouterr().err
+
+
+def _in_engine_doc(rules: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "specgate/v1", "name": "p", "default": {"engine": "base"}, "rules": rules,
+            "engines": {"base": {"method": "none"},
+                        "ng": {"method": "ngram", "num_speculative_tokens": 4, "schedule": "in_engine"}}}
+
+
+def test_the_compiled_size_bound_counts_the_catch_alls() -> None:
+    # Five groups over 400 routes each: the rules alone cost under the bound, their catch-alls take it over.
+    from policies.validate import MAX_COMPILED_TESTS
+
+    routes = [f"r{i}" for i in range(400)]
+    rules = [{"name": f"g{g}", "then": {"engine": "ng"},
+              "when": {"route": routes, "max_tokens": {"max": 100 + g}, "prompt_tokens": {"max": 9000},
+                       "structured_output": False, "tools": False, "stream": False,
+                       "labels": {"tier": "a", "team": "b"}, "batch_size": {"max": 4}}}
+             for g in range(5)]
+    with pytest.raises(PolicyValidationError) as info:
+        validate_data(_in_engine_doc(rules))
+    (error,) = [e for e in info.value.errors if e.code == "too_complex"]
+    assert int(error.message.split("cost ")[1].split(" ")[0]) > MAX_COMPILED_TESTS
+    router = _in_engine_doc(rules)
+    del router["engines"]["ng"]["schedule"]
+    validate_data(router)  # the same rules, routed by the router: within the bound
+
+
+def test_groups_compare_predicates_by_meaning() -> None:
+    doc = validate_data(_in_engine_doc([
+        {"name": "a", "when": {"route": ["x", "y"], "max_tokens": {"min": 0, "max": 5}, "batch_size": {"max": 2}},
+         "then": {"engine": "ng"}},
+        {"name": "b", "when": {"route": ["y", "x", "x"], "max_tokens": {"max": 5}, "batch_size": {"min": 3, "max": 6}},
+         "then": {"engine": "ng", "num_speculative_tokens": 1}},
+    ]))
+    assert batch_size_schedule(doc, "ng", 16) == [(1, 2, 4), (3, 6, 1), (7, 16, 0)]
+    # a range alone with min 0 still refuses a request without max_tokens: another group
+    with pytest.raises(PolicyValidationError) as info:
+        validate_data(_in_engine_doc([
+            {"name": "a", "when": {"max_tokens": {"min": 0}, "batch_size": {"max": 2}}, "then": {"engine": "ng"}},
+            {"name": "b", "when": {"batch_size": {"max": 3}}, "then": {"engine": "ng"}},
+        ]))
+    assert {(e.path, e.code) for e in info.value.errors} == {("rules[1].when.batch_size", "schedule_conflict")}
+
+
+def test_a_range_that_holds_no_batch_is_refused_for_an_in_engine_engine() -> None:
+    with pytest.raises(PolicyValidationError) as info:
+        validate_data(_in_engine_doc([{"name": "zero", "when": {"batch_size": {"max": 0}}, "then": {"engine": "ng"}}]))
+    assert {(e.path, e.code) for e in info.value.errors} == {("rules[0].when.batch_size.max", "out_of_range")}
+
+
+def test_sglang_starts_with_the_largest_steps_of_the_schedule() -> None:
+    doc = validate_data({"apiVersion": "specgate/v1", "name": "p", "default": {"engine": "base"},
+                         "engines": {"base": {"method": "none"},
+                                     "e": {"method": "eagle", "model": "m", "num_speculative_tokens": 4,
+                                           "schedule": "in_engine"}},
+                         "rules": [{"name": "big-only", "when": {"batch_size": {"min": 5}}, "then": {"engine": "e"}}]})
+    args, adaptive = sglang_launch_args(doc, "e", adaptive_config_path="a.json")
+    assert args[args.index("--speculative-num-steps") + 1] == "4"
+    assert adaptive == {"1": {"candidate_steps": [0]}, "5": {"candidate_steps": [4]}}

@@ -161,7 +161,11 @@ def test_in_engine_schedule_vector(group: dict[str, Any], engine: str, expected:
     assert rendered == [(lo, 64 if hi is None else hi, k) for lo, hi, k in expected]
     # and every band holds what the router decides there, for a request of every route the rules send to it
     compiled = policies.compile_policy(document, REVISION)
-    routes = {route for rule in document.rules if rule.then.engine == engine for route in rule.when.route or ()}
+    mine = [rule for rule in document.rules if rule.then.engine == engine]
+    routes = {route for rule in mine for route in rule.when.route or ()}
+    if any(rule.when.route is None for rule in mine):
+        routes.add("a-route-no-rule-names")
+    assert routes
     for lo, hi, k in expected:
         for batch in {lo, hi if hi is not None else lo + 100}:
             for route in routes:

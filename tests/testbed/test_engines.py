@@ -41,6 +41,17 @@ def test_speculative_variants(variant: str, method: str) -> None:
         assert spec["model"] == "/m/draft"
 
 
+def test_a_draft_schedule_goes_into_the_speculative_config_and_means_nothing_to_a_plain_engine() -> None:
+    args = engines.server_args("draft", 8101, MODELS, schedule=[(1, 4, 3), (5, 256, 0)])
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 256, 0]]
+    assert spec["num_speculative_tokens"] == 3
+    assert "num_speculative_tokens_per_batch_size" not in engines.server_args("draft", 8101, MODELS)[
+        args.index("--speculative-config") + 1]
+    with pytest.raises(ValueError, match="does not speculate"):
+        engines.server_args("base", 8100, MODELS, schedule=[(1, 4, 3)])
+
+
 def test_ports_are_fixed_per_variant() -> None:
     assert engines.ports_for(["draft", "base"], 9000) == {"draft": 9002, "base": 9000}
     with pytest.raises(ValueError, match="unknown engine variant"):
