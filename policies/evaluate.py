@@ -74,8 +74,13 @@ def _decision_for(doc: PolicyDocument, then: Then, rule: str, revision: str) -> 
 
 
 def _explored_alternative(doc: PolicyDocument, decision: Decision) -> Decision | None:
-    """The other decision an explored request gets, or None when there is none."""
-    if decision.speculate:
+    """The other decision an explored request gets, or None when there is none.
+
+    A decision without drafts on a speculative engine (an in-engine schedule's K 0) is explored on the plain
+    engine: that measures what its K=0 steps cost against not speculating at all (BENCHMARKS.md, "In-engine
+    schedules"); the engine itself cannot be made to draft for one request.
+    """
+    if decision.speculate or not isinstance(doc.engines[decision.engine], PlainEngine):
         target = doc.resolved_plain_engine
     else:
         if doc.exploration.speculative_engine is None:
