@@ -20,7 +20,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -30,6 +30,9 @@ from sidecar.server import MAX_BODY_BYTES, HttpServer, ServerLimits
 from sidecar.settings import SidecarSettings
 from sidecar.sync import PolicySync, sidecar_version
 from sidecar.telemetry import TelemetryExporter
+
+if TYPE_CHECKING:
+    from sidecar.supervisor import EngineSupervisor
 from wire.telemetry import TelemetryEvent
 
 log = logging.getLogger("specgate.sidecar")
@@ -75,6 +78,14 @@ class Sidecar:
                                replicas=pools.report if pools is not None else None)
         if pools is not None:
             pools.on_change = self.sync.report_soon
+        self.supervisor: EngineSupervisor | None = None
+        if self.settings.supervise is not None:
+            from sidecar.supervisor import EngineSupervisor, load_supervise_file
+
+            self.supervisor = EngineSupervisor(load_supervise_file(self.settings.supervise), pools,
+                                               self.settings.state_dir, on_change=self.sync.report_soon)
+            if metrics is not None:
+                metrics.supervisor = self.supervisor
 
     def _in_flight(self) -> int:
         inflight = getattr(self.app, "inflight", None)
@@ -83,6 +94,11 @@ class Sidecar:
     async def start(self) -> None:
         await self.sync.start()
         await self.exporter.start()
+        if self.supervisor is not None:
+            # the last-known-good bundle (if any) is loaded: the engines start with its arguments, then follow
+            bundle = self.store.current
+            self.supervisor.start(bundle.active.document if bundle is not None else None)
+            self.supervisor.watch(lambda: self.store.current)
         current = self.store.current
         settings = self.settings
         engines = ", ".join(f"{name} ({len(urls)} replica{'s' if len(urls) != 1 else ''})"
@@ -95,6 +111,8 @@ class Sidecar:
     async def stop(self, flush_timeout_s: float = 5.0) -> None:
         await self.sync.stop()
         await self.exporter.stop(flush=True, timeout=flush_timeout_s)
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.otel is not None:
             await asyncio.to_thread(self.otel.shutdown)
         log.info("sidecar stopped")

@@ -81,6 +81,8 @@ class SidecarMetrics(Collector):
         self.bundle_refused: dict[str, int] = {}
         self.hook_errors = 0
         self.latency: dict[str, _Histogram] = {}
+        # Set by the sidecar when it supervises its engines (sidecar/supervisor.py): its report() per engine.
+        self.supervisor: Any = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -176,6 +178,24 @@ class SidecarMetrics(Collector):
                                 value=1 if bundle is not None and bundle.kill_switch else 0)
         if self.pools is not None:
             yield from self._replica_families(self.pools)
+        if self.supervisor is not None:
+            yield from self._engine_families(self.supervisor.report())
+
+    @staticmethod
+    def _engine_families(reports: list[dict[str, Any]]) -> Iterator[Metric]:
+        serving = GaugeMetricFamily(PREFIX + "engine_serving", "1 while a supervised engine serves with its "
+                                    "arguments, 0 while it starts, drains, restarts or is down",
+                                    labels=["engine", "config_hash"])
+        restarts = CounterMetricFamily(PREFIX + "engine_restarts", "Restarts of a supervised engine with new "
+                                       "arguments, by outcome (ok; failed: back on the previous arguments)",
+                                       labels=["engine", "outcome"])
+        for report in reports:
+            serving.add_metric([report["engine"], report["config_hash"] or ""], 1 if report["state"] == "serving"
+                               else 0)
+            restarts.add_metric([report["engine"], "ok"], report["restarts"])
+            restarts.add_metric([report["engine"], "failed"], report["failed_restarts"])
+        yield serving
+        yield restarts
 
     def _replica_families(self, pools: Pools) -> Iterator[Metric]:
         now = time.monotonic()

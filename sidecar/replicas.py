@@ -164,7 +164,7 @@ class Replica:
 
     __slots__ = ("url", "name", "name_bytes", "engines", "upstream", "session", "in_flight", "running", "waiting",
                  "own_at_scrape", "external", "fresh_until", "healthy", "failures", "ejections", "returns",
-                 "probe_at", "backoff_s", "requests")
+                 "probe_at", "backoff_s", "requests", "held")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -186,6 +186,9 @@ class Replica:
         self.probe_at = 0.0
         self.backoff_s = 0.0
         self.requests = 0  # sent to it by this sidecar (attempts)
+        # Taken out of routing by the engine supervisor (starting, draining, restarting): not healthy, and not
+        # probed back: the supervisor returns it once its own health check passed (sidecar/supervisor.py).
+        self.held = False
 
     def load(self, now: float) -> int:
         """The requests this replica is estimated to be running: ours now, and others' at the last scrape."""
@@ -203,11 +206,12 @@ class Replica:
     def report(self, now: float) -> dict[str, Any]:
         """What the heartbeat says of it (one entry per engine name it serves)."""
         fresh = now < self.fresh_until
-        return {"replica": self.name, "state": "healthy" if self.healthy else "ejected",
+        state = "held" if self.held else "healthy" if self.healthy else "ejected"
+        return {"replica": self.name, "state": state,
                 "in_flight": max(0, self.in_flight),
                 "running": self.running if fresh else None, "waiting": self.waiting if fresh else None,
                 "consecutive_failures": self.failures, "ejections": self.ejections, "returns": self.returns,
-                "next_probe_in_s": None if self.healthy else round(max(0.0, self.probe_at - now), 3)}
+                "next_probe_in_s": None if self.healthy or self.held else round(max(0.0, self.probe_at - now), 3)}
 
 
 class Choice:
@@ -326,11 +330,25 @@ class Pools:
 
     def next_probe_s(self, engine: str, now: float) -> float | None:
         """Seconds until the earliest probe of ``engine``'s ejected replicas (None: it has none)."""
-        waits = [r.probe_at - now for r in self.pools.get(engine, ()) if not r.healthy]
+        waits = [r.probe_at - now for r in self.pools.get(engine, ()) if not r.healthy and not r.held]
         return max(0.0, min(waits)) if waits else None
 
     def succeeded(self, replica: Replica) -> None:
         replica.failures = 0
+
+    def hold(self, url: str) -> None:
+        """Takes a replica out of routing until :meth:`release` (the engine supervisor's start and restarts)."""
+        replica = self.replicas[url]
+        replica.held, replica.healthy = True, False
+        self._changed()
+
+    def release(self, url: str) -> None:
+        replica = self.replicas[url]
+        replica.held, replica.healthy, replica.failures, replica.backoff_s = False, True, 0, 0.0
+        self._changed()
+
+    def in_flight(self, url: str) -> int:
+        return max(0, self.replicas[url].in_flight)
 
     def failed(self, replica: Replica, why: str) -> None:
         """A request or scrape that could not reach the replica, or a 5xx answer."""
@@ -418,7 +436,7 @@ class Pools:
     async def probe_due(self) -> None:
         """Probes every ejected replica whose wait is over; returns those that answer."""
         now = time.monotonic()
-        due = [r for r in self.replicas.values() if not r.healthy and r.probe_at <= now]
+        due = [r for r in self.replicas.values() if not r.healthy and not r.held and r.probe_at <= now]
         await asyncio.gather(*(self._probe(r) for r in due))
 
     async def _probe(self, replica: Replica) -> None:
@@ -430,7 +448,7 @@ class Pools:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             ok = False
-        if ok:
+        if ok and not replica.held:  # held while the probe was out: the supervisor decides when it serves
             replica.healthy = True
             replica.failures = 0
             replica.returns += 1
@@ -461,7 +479,7 @@ class Pools:
             with contextlib.suppress(Exception):
                 await self.probe_due()
             now = time.monotonic()
-            waits = [r.probe_at - now for r in self.replicas.values() if not r.healthy]
+            waits = [r.probe_at - now for r in self.replicas.values() if not r.healthy and not r.held]
             self._probe_wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._probe_wake.wait(),

@@ -28,6 +28,9 @@ class SidecarSettings(BaseSettings):
     # engine name -> the base URLs of its replicas, OpenAI-compatible servers; in the environment a URL, a list
     # of URLs or "URL1,URL2" per name
     engines: dict[str, list[str]] = Field(default_factory=dict)
+    # A worker-local YAML of the engines this sidecar starts and restarts itself (sidecar/supervisor.py); their
+    # URLs then come from it, one replica each.
+    supervise: Path | None = None
     # Which requests a rule's batch size counts (sidecar/replicas.py): "worker", every request on this worker's
     # engines (they share one accelerator: the rule before replica pools); "replica", those on the least-loaded
     # healthy replica of the engine the rule names. "auto": "replica" for a gateway, else "worker".

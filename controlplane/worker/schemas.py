@@ -26,7 +26,7 @@ Short = Annotated[str, StringConstraints(max_length=64, pattern=NO_CONTROL)]
 ReplicaAddress = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=NO_CONTROL)]
 
 WorkerKind = Literal["worker", "gateway"]
-ReplicaState = Literal["healthy", "ejected"]
+ReplicaState = Literal["healthy", "ejected", "held"]
 MAX_REPLICAS = 256
 # Replica reports are stored as JSON and summed for the fleet: the same bounds as telemetry's counters
 # (32-bit integers, finite floats up to 1e12), so no report can overflow a reader. Strict: JSON false is
@@ -57,7 +57,8 @@ class ReplicaReport(BaseModel):
     engine: EngineName = Field(description="the engine name the replica serves")
     replica: ReplicaAddress = Field(description="the replica: HOST:PORT[/PREFIX]")
     state: ReplicaState = Field(description="healthy: the sidecar sends it requests; ejected: it does not, "
-                                            "until a probe brings it back")
+                                            "until a probe brings it back; held: the sidecar's engine supervisor "
+                                            "keeps it out of routing while it starts, drains or restarts")
     in_flight: Count = Field(0, description="requests the sidecar has in flight on it")
     running: Gauge | None = Field(None, description="requests the engine reports running; null when unknown")
     waiting: Gauge | None = Field(None, description="requests the engine reports queued; null when unknown")

@@ -133,12 +133,14 @@ def switchback_window(db: Db, rid: str, *, end: dt.datetime, minutes: int = 40, 
 
 def canary_traffic(db: Db, rollout: Rollout, *, baseline_ms: float, canary_ms: float, n: int = 60,
                    seed: int = 2, baseline: bool = True) -> None:
-    """Requests of both revisions of a traffic rollout, stamped now (inside its current step)."""
+    """Requests of both revisions of a traffic rollout, stamped from now on, so inside its current step: the
+    guardrails read the step's cohorts from the minute it started, and a step started just after a minute
+    turned would leave out requests stamped before it (one run did, at 06:24:00.035)."""
     rng = random.Random(seed)
     now = utcnow()
     events = []
     for i in range(n):
-        when = now - dt.timedelta(milliseconds=10 * i)
+        when = now + dt.timedelta(milliseconds=10 * i)
         if baseline:
             events.append(event(revision=rollout.from_revision_id, speculate=True, itl=_e2e(rng, baseline_ms),
                                 time=when))

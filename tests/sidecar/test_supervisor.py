@@ -1,0 +1,278 @@
+"""The engine supervisor (sidecar/supervisor.py) against FAKE engine processes
+(``tests.support.fake_engine_server``: not vLLM; each answers with the speculative config it was started with).
+
+The real-vLLM counterpart is in tests/e2e; these check the state machine: start from rendered arguments,
+drain and restart on a policy that changes them while the other engine answers, a restart whose new
+arguments do not come up goes back to the old ones, and engines end with the sidecar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+import policies
+from sidecar.supervisor import EngineSupervisor, SuperviseError, engine_argv, load_supervise_file
+from tests.support import paths
+from tests.support.cli import specgate_command
+from tests.support.fake_upstream import closed_port
+from tests.support.sidecars import LoopThread, SidecarFactory, wait_for
+
+POLICY = """apiVersion: specgate/v1
+name: supervised
+engines:
+  base: {method: none}
+  draft: {method: draft_model, model: models/draft, num_speculative_tokens: %(k)d}
+rules:
+  - name: chat-draft
+    when: {route: [chat]}
+    then: {engine: draft}
+default: {engine: base}
+"""
+
+
+def policy(k: int = 3, model: str = "models/draft") -> policies.PolicyDocument:
+    return policies.load_policy((POLICY % {"k": k}).replace("models/draft", model))
+
+
+def bundle(doc: policies.PolicyDocument) -> policies.CompiledBundle:
+    return policies.CompiledBundle(policies.BundlePayload(policies.Revision.of(doc)))
+
+
+def supervise_file(tmp_path: Path, **overrides: Any) -> Path:
+    draft_dir = tmp_path / "local-draft"
+    draft_dir.mkdir(exist_ok=True)
+    env = {"PYTHONPATH": str(paths.ROOT), "FAKE_ENGINE_TOKEN_DELAY_S": "0.01"}
+    data: dict[str, Any] = {
+        "command": [sys.executable, "-m", "tests.support.fake_engine_server"],
+        "engines": {"base": {"model": str(tmp_path / "target"), "port": closed_port(), "env": env,
+                             "args": ["--dtype", "float32"]},
+                    "draft": {"model": str(tmp_path / "target"), "port": closed_port(), "env": env}},
+        "models": {"models/draft": str(draft_dir)},
+        "drain_timeout_s": 5, "start_timeout_s": 30, "stop_timeout_s": 5, "log_dir": str(tmp_path / "logs"),
+        **overrides,
+    }
+    path = tmp_path / "engines.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def chat(url: str, **headers: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", headers={"X-Specgate-Route": "chat", **headers},
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+
+
+def served_config(response: httpx.Response) -> dict[str, Any]:
+    """The speculative config of the fake engine that answered ({} for a plain one)."""
+    return json.loads(response.json()["choices"][0]["message"]["content"])
+
+
+def decision(response: httpx.Response) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in response.headers["x-specgate-decision"].split("; "))
+
+
+@pytest.fixture
+def supervised(tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFactory) -> Any:
+    config = load_supervise_file(supervise_file(tmp_path))
+    first = policy(3)
+    sidecar = make_sidecar(engines={name: config.url(name) for name in config.engines}, bundle=bundle(first))
+    supervisor = EngineSupervisor(config, sidecar.app.pools, tmp_path)
+
+    async def start() -> None:
+        supervisor.start(first)
+
+    loop_thread.run(start())
+    wait_for(lambda: all(r["state"] == "serving" for r in supervisor.report()), timeout=30)
+    yield sidecar, supervisor, config, tmp_path
+    loop_thread.run(supervisor.stop(), timeout=30)
+
+
+def test_engines_start_with_the_rendered_arguments_and_the_local_draft_path(supervised: Any) -> None:
+    sidecar, supervisor, config, tmp_path = supervised
+    answer = chat(sidecar.url)
+    assert decision(answer)["engine"] == "draft"
+    assert served_config(answer) == {"method": "draft_model", "model": str(tmp_path / "local-draft"),
+                                     "num_speculative_tokens": 3}
+    plain = httpx.post(sidecar.url + "/v1/chat/completions", headers={"X-Specgate-Route": "other"},
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert served_config(plain) == {}
+    reports = {r["engine"]: r for r in supervisor.report()}
+    assert reports["draft"]["config_hash"] == supervisor.engines["draft"].report()["config_hash"]
+    assert reports["base"]["pid"] is not None
+    base = config.engines["base"]
+    assert engine_argv(config, "base", policy(3)) == [
+        *config.command, "--model", base.model, "--host", "127.0.0.1", "--port", str(base.port),
+        "--dtype", "float32", "--enable-per-request-metrics"]
+    assert (Path(config.log_dir or "") / "draft.log").read_text().count("FAKE engine up") == 1
+
+
+def test_a_policy_that_changes_k_restarts_the_draft_engine_while_the_plain_engine_answers(
+        supervised: Any, loop_thread: LoopThread) -> None:
+    sidecar, supervisor, _, _ = supervised
+    before = supervisor.engines["draft"].report()
+    results: list[httpx.Response] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            results.append(chat(sidecar.url))
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        time.sleep(0.3)
+        loop_thread.run(supervisor.apply(policy(2)), timeout=60)
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert results
+    assert all(r.status_code == 200 for r in results), [r.status_code for r in results]
+    configs = [served_config(r).get("num_speculative_tokens") for r in results]
+    assert None in configs  # while the draft engine restarted, chat ran on the plain engine
+    assert configs[0] == 3
+    assert configs[-1] == 2
+    # never an old answer after a new one: the old engine was drained before the new one started
+    assert configs.index(2) > max(i for i, k in enumerate(configs) if k == 3)
+    after = supervisor.engines["draft"].report()
+    assert (after["state"], after["restarts"], after["failed_restarts"]) == ("serving", 1, 0)
+    assert after["config_hash"] != before["config_hash"]
+    assert after["pid"] != before["pid"]
+    # the plain engine's arguments did not change: it was left alone
+    assert supervisor.engines["base"].report()["restarts"] == 0
+
+
+def test_in_flight_requests_finish_before_the_restart(supervised: Any, loop_thread: LoopThread) -> None:
+    sidecar, supervisor, _, _ = supervised
+    slow: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: slow.append(chat(sidecar.url, **{"X-Fake-Token-Delay": "0.05"})))
+    worker.start()
+    wait_for(lambda: sidecar.app.pools.in_flight(supervisor.engines["draft"].url) == 1)
+    loop_thread.run(supervisor.apply(policy(2)), timeout=60)
+    worker.join(30)
+    assert slow[0].status_code == 200
+    assert served_config(slow[0])["num_speculative_tokens"] == 3  # answered whole by the old engine
+
+
+def test_new_arguments_that_do_not_come_up_go_back_to_the_old_ones_and_say_why(
+        supervised: Any, loop_thread: LoopThread) -> None:
+    sidecar, supervisor, config, _ = supervised
+    loop_thread.run(supervisor.apply(policy(3, model="models/missing-draft")), timeout=60)
+    report = supervisor.engines["draft"].report()
+    assert (report["state"], report["restarts"], report["failed_restarts"]) == ("serving", 0, 1)
+    assert "the new arguments did not come up: it exited with 1" in report["last_error"]
+    assert "back on the previous ones" in report["last_error"]
+    assert "draft model 'models/missing-draft' not found" in (Path(config.log_dir or "") / "draft.log").read_text()
+    answer = chat(sidecar.url)
+    assert served_config(answer)["num_speculative_tokens"] == 3
+    metrics = httpx.get(sidecar.url + "/metrics").text
+    assert "specgate_sidecar_replica_healthy" in metrics
+
+
+def test_the_supervise_file_is_checked_field_by_field(tmp_path: Path) -> None:
+    path = supervise_file(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["engines"]["draft"]["port"] = 70000
+    data["engines"]["base"]["gpu"] = 0
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SuperviseError) as info:
+        load_supervise_file(path)
+    assert "engines.draft.port" in str(info.value)
+    assert "engines.base.gpu" in str(info.value)
+    data = yaml.safe_load(supervise_file(tmp_path).read_text())
+    data["engines"]["draft"]["port"] = data["engines"]["base"]["port"]
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SuperviseError, match="two engines on one host and port"):
+        load_supervise_file(path)
+    path.write_text("command: [\n")
+    with pytest.raises(SuperviseError, match="cannot read it"):
+        load_supervise_file(path)
+
+
+def test_the_cli_refuses_a_bad_file_and_engines_given_twice(tmp_path: Path) -> None:
+    path = supervise_file(tmp_path, drain_timeout_s=-1)
+    result = subprocess.run([*specgate_command(), "sidecar", "--supervise", str(path), "--key", "sgk_x"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "drain_timeout_s" in result.stderr
+    good = supervise_file(tmp_path)
+    result = subprocess.run([*specgate_command(), "sidecar", "--supervise", str(good), "--key", "sgk_x",
+                             "--engine", "base=http://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--supervise names the engines; leave out --engine" in result.stderr
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_engines_end_with_the_sidecar_even_when_it_is_killed(tmp_path: Path) -> None:
+    path = supervise_file(tmp_path)
+    config = load_supervise_file(path)
+    proc = subprocess.Popen([*specgate_command(), "sidecar", "--supervise", str(path), "--key", "sgk_x",
+                             "--control-plane", f"http://127.0.0.1:{closed_port()}", "--state-dir",
+                             str(tmp_path / "state"), "--listen", f"127.0.0.1:{closed_port()}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        # no policy yet (no control plane, no last-known-good bundle): the engines start without speculation
+        wait_for(lambda: all(_answers(config.url(name)) for name in config.engines), timeout=60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: not any(_answers(config.url(name)) for name in config.engines), timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_new_bundle_in_the_store_restarts_the_engine_it_changes(supervised: Any, loop_thread: LoopThread) -> None:
+    # What the sidecar wires up: the supervisor watches the policy store the bundle sync fills.
+    sidecar, supervisor, _, _ = supervised
+
+    async def watch() -> None:
+        supervisor.watch(lambda: sidecar.store.current, every_s=0.05)
+
+    loop_thread.run(watch())
+    sidecar.store.update(bundle(policy(2)))
+    wait_for(lambda: supervisor.engines["draft"].report()["restarts"] == 1, timeout=30)
+    assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 2
+
+
+def test_a_policy_applied_while_the_engines_start_waits_for_them(tmp_path: Path, loop_thread: LoopThread,
+                                                                 make_sidecar: SidecarFactory) -> None:
+    config = load_supervise_file(supervise_file(tmp_path))
+    sidecar = make_sidecar(engines={name: config.url(name) for name in config.engines}, bundle=bundle(policy(3)))
+    supervisor = EngineSupervisor(config, sidecar.app.pools, tmp_path)
+
+    async def start_then_apply() -> None:
+        supervisor.start(policy(3))
+        assert {r["state"] for r in supervisor.report()} == {"starting"}
+        await supervisor.apply(policy(2))
+
+    try:
+        loop_thread.run(start_then_apply(), timeout=60)
+        draft = supervisor.engines["draft"].report()
+        # started with the first arguments, restarted once with the second (whether or not the first were up
+        # yet), and only then routed to
+        assert (draft["state"], draft["restarts"], draft["failed_restarts"]) == ("serving", 1, 0)
+        assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 2
+        log_text = (Path(config.log_dir or "") / "draft.log").read_text()
+        assert log_text.count(" start draft: ") == 2
+        assert '"num_speculative_tokens": 3}' not in log_text.split(" start draft: ")[2]
+        base = supervisor.engines["base"].report()
+        assert (base["state"], base["restarts"]) == ("serving", 0)
+    finally:
+        loop_thread.run(supervisor.stop(), timeout=30)
