@@ -44,8 +44,11 @@ def supervise_config(base_port: int, log_dir: Path) -> Any:
     offline = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return SuperviseConfig.model_validate({
         "command": [str(testbed.python), "-m", "vllm.entrypoints.openai.api_server"],
+        # each engine its own compile cache, as the testbed gives them: an engine stopped while it compiles
+        # can leave the cache's lock held, and a restart on the same cache then waits for it
         "engines": {name: {"model": str(testbed.models.target), "port": base_port + i,
-                           "env": {**engines.cpu_binding(name), **offline}, "args": common}
+                           "env": {**engines.cpu_binding(name), **offline, **engines.compile_cache(name)},
+                           "args": common}
                     for i, name in enumerate(("base", "draft"))},
         "models": {"testbed/draft": str(testbed.models.draft)},
         "start_timeout_s": 900, "log_dir": str(log_dir)})

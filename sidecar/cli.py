@@ -110,19 +110,8 @@ def sidecar(
     SPECGATE_ROUTES, SPECGATE_STATE_DIR, SPECGATE_PUBLIC_KEYS='["..."]', SPECGATE_WORKER_ID.
     OpenTelemetry export is on when OTEL_EXPORTER_OTLP_ENDPOINT is set.
     """
-    engines = _engines(engine)
-    if supervise is not None:
-        from sidecar.supervisor import SuperviseError, load_supervise_file
-
-        if engines:
-            _fail("--supervise names the engines; leave out --engine")
-        try:
-            supervised = load_supervise_file(supervise)
-        except SuperviseError as exc:
-            _fail(str(exc))
-        engines = {name: [supervised.url(name)] for name in supervised.engines}
     settings = build_settings(
-        control_plane=control_plane, key=key, key_file=key_file, engines=engines, supervise=supervise,
+        control_plane=control_plane, key=key, key_file=key_file, engines=_engines(engine), supervise=supervise,
         kind=kind, batch_scope=batch_scope,
         listen=listen, pool=pool, labels=_pairs(label, "--label", "k=v"),
         routes=_pairs(route, "--route", "PATH_OR_MODEL=ROUTE"), state_dir=state_dir, public_keys=public_key or None,

@@ -123,6 +123,23 @@ class SidecarSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _supervised_engines(self) -> SidecarSettings:
+        """With ``supervise`` (``--supervise``, ``SPECGATE_SUPERVISE``) the engines and their URLs come from that
+        file, one replica each."""
+        if self.supervise is None:
+            return self
+        if self.engines:
+            raise ValueError("--supervise names the engines; leave out --engine (and SPECGATE_ENGINES)")
+        from sidecar.supervisor import SuperviseError, load_supervise_file
+
+        try:
+            config = load_supervise_file(self.supervise)
+        except SuperviseError as exc:
+            raise ValueError(str(exc)) from None
+        self.engines = {name: [config.url(name)] for name in config.engines}
+        return self
+
+    @model_validator(mode="after")
     def _probe_bounds(self) -> SidecarSettings:
         if self.probe_max_s < self.probe_initial_s:
             raise ValueError(f"probe_max_s ({self.probe_max_s}) must be at least probe_initial_s "

@@ -38,16 +38,30 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from policies import PolicyDocument
-from policies.render import RenderError, vllm_serve_args
+from policies.model import Identifier
+from policies.render import DEFAULT_MAX_NUM_SEQS, RenderError, vllm_serve_args
 
 log = logging.getLogger("specgate.sidecar.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 _HEALTH_POLL_S = 0.5
+PLAIN_ARGS = "--enable-per-request-metrics"  # policies.render.vllm_serve_args of a plain engine
+# Arguments that did not come up are not tried again for this long, whatever bundles arrive meanwhile.
+RETRY_REFUSED_AFTER_S = 600.0
+# libc's prctl, looked up here: the child between fork and exec must not load libraries.
+try:
+    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _PRCTL = None
 
 
 class SuperviseError(ValueError):
     """The supervise file cannot be used; the message names the file and the field."""
+
+
+# A host name or an IP address as vLLM's --host takes it (an IPv6 address without brackets).
+HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.:-]+$")]
+EnvName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 class EngineSpec(BaseModel):
@@ -55,16 +69,25 @@ class EngineSpec(BaseModel):
 
     model: Annotated[str, Field(min_length=1, max_length=4096)]  # the target model's local path
     port: Annotated[int, Field(ge=1, le=65535)]
-    host: Annotated[str, Field(min_length=1, max_length=255)] = "127.0.0.1"
-    env: dict[str, str] = {}  # e.g. CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND
+    host: HostName = "127.0.0.1"
+    env: dict[EnvName, str] = {}  # e.g. CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND
     args: list[str] = []  # vLLM arguments of this worker (dtype, memory share, lengths), never speculative ones
+
+    def max_num_seqs(self) -> int:
+        """vLLM's --max-num-seqs from ``args`` (its default without): how far an in-engine schedule reaches."""
+        for i, arg in enumerate(self.args):
+            value = arg.split("=", 1)[1] if arg.startswith("--max-num-seqs=") else (
+                self.args[i + 1] if arg == "--max-num-seqs" and i + 1 < len(self.args) else None)
+            if value is not None and value.isdigit() and int(value) > 0:
+                return int(value)
+        return DEFAULT_MAX_NUM_SEQS
 
 
 class SuperviseConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-    engines: Annotated[dict[str, EngineSpec], Field(min_length=1, max_length=64)]
+    engines: Annotated[dict[Identifier, EngineSpec], Field(min_length=1, max_length=64)]
     # the policy's model names (a draft model's, an EAGLE head's) -> this worker's local paths
     models: dict[str, str] = {}
     drain_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
@@ -100,8 +123,9 @@ def engine_argv(config: SuperviseConfig, name: str, doc: PolicyDocument | None) 
     spec = config.engines[name]
     argv = [*config.command, "--model", spec.model, "--host", spec.host, "--port", str(spec.port), *spec.args]
     if doc is not None and name in doc.engines:
-        argv += _local_models(vllm_serve_args(doc, name), config.models)
-    return argv
+        return argv + _local_models(vllm_serve_args(doc, name, max_num_seqs=spec.max_num_seqs()), config.models)
+    # What a plain engine gets from a policy too: the first policy does not restart a plain engine.
+    return [*argv, PLAIN_ARGS]
 
 
 def _local_models(args: list[str], models: Mapping[str, str]) -> list[str]:
@@ -120,11 +144,17 @@ def config_hash(argv: list[str]) -> str:
     return hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:16]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # The kernel sends SIGTERM to the engine when the thread that started it (the sidecar's loop thread) ends,
-    # however it ends; vLLM's server then stops its own worker processes.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with(parent: int) -> Callable[[], None]:
+    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+        # The kernel sends SIGTERM to the engine when the thread that started it (the sidecar's loop thread)
+        # ends, however it ends; vLLM's server then stops its own worker processes. A command that wraps the
+        # server (a shell, a launcher) passes the signal on only if it does so itself.
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the sidecar died before the signal was set up
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 class EngineProcess:
@@ -142,7 +172,7 @@ class EngineProcess:
             out.flush()
             self.proc = subprocess.Popen(  # noqa: S603 - the worker's own configured command
                 self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env}, start_new_session=True, preexec_fn=_die_with_parent)
+                env={**os.environ, **self.env}, start_new_session=True, preexec_fn=_die_with(os.getpid()))
 
     @property
     def pid(self) -> int | None:
@@ -152,23 +182,34 @@ class EngineProcess:
         return None if self.proc is None else self.proc.poll()
 
     async def stop(self, timeout_s: float) -> None:
+        """SIGTERM to the whole process group (the server's worker processes too, even when the server itself
+        has already exited), SIGKILL after ``timeout_s``."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.to_thread(proc.wait, timeout_s)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
+            await asyncio.sleep(0.05)
+        if proc.poll() is None or _group_alive(proc.pid):
             log.warning("engine %s did not stop within %.0f s: killed", self.name, timeout_s)
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(proc.wait)
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 @dataclass
 class EngineState:
-    """What the supervisor knows of one engine; ``report`` is what the heartbeat and /metrics carry."""
+    """What the supervisor knows of one engine; ``report`` is what /metrics carries."""
 
     name: str
     url: str
@@ -177,12 +218,15 @@ class EngineState:
     process: EngineProcess | None = None
     restarts: int = 0
     failed_restarts: int = 0
+    crashes: int = 0
     last_error: str | None = None
+    # config hash -> when arguments with it last failed to come up: not tried again before RETRY_REFUSED_AFTER_S
+    refused: dict[str, float] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
         return {"engine": self.name, "state": self.state, "config_hash": config_hash(self.argv) if self.argv else None,
                 "pid": self.process.pid if self.process is not None else None, "restarts": self.restarts,
-                "failed_restarts": self.failed_restarts, "last_error": self.last_error}
+                "failed_restarts": self.failed_restarts, "crashes": self.crashes, "last_error": self.last_error}
 
 
 class EngineSupervisor:
@@ -211,17 +255,26 @@ class EngineSupervisor:
         self._tasks.append(asyncio.create_task(self._first_health(), name="engines-up"))
 
     def watch(self, current: Callable[[], Any], every_s: float = 0.25) -> None:
-        """Applies the policy ``current()`` returns (a compiled bundle) whenever it is a new one."""
+        """Applies the policy ``current()`` returns (a compiled bundle) whenever it is a new one, and starts
+        again an engine whose process ended while it served."""
         self._seen = current()
         self._tasks.append(asyncio.create_task(self._watch(current, every_s), name="engine-supervisor"))
 
     async def apply(self, doc: PolicyDocument | None) -> None:
-        """Restarts, one at a time, every engine whose arguments ``doc`` changes."""
+        """Restarts, one at a time, every engine whose arguments ``doc`` changes (or that is down). Every
+        engine's arguments are rendered first: a policy that cannot be rendered changes nothing."""
+        wanted = {name: engine_argv(self.config, name, doc) for name in self.engines}
         async with self._lock:
             for state in self.engines.values():
-                wanted = engine_argv(self.config, state.name, doc)
-                if wanted != state.argv:
-                    await self._restart(state, wanted)
+                argv = wanted[state.name]
+                if argv == state.argv and state.state != "failed":
+                    continue
+                refused_at = state.refused.get(config_hash(argv))
+                if refused_at is not None and time.monotonic() - refused_at < RETRY_REFUSED_AFTER_S:
+                    log.info("engine %s: arguments %s did not come up %.0f s ago; not tried again yet",
+                             state.name, config_hash(argv), time.monotonic() - refused_at)
+                    continue
+                await self._restart(state, argv)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -241,13 +294,19 @@ class EngineSupervisor:
 
     # --- inside --------------------------------------------------------------------------------------
 
-    def _launch(self, state: EngineState, argv: list[str]) -> None:
-        state.argv = argv
-        state.state = "starting"
-        state.process = EngineProcess(state.name, argv, self.config.engines[state.name].env,
-                                      self.log_dir / f"{state.name}.log")
-        state.process.start()
-        log.info("engine %s starting (pid %s, config %s)", state.name, state.process.pid, config_hash(argv))
+    def _launch(self, state: EngineState, argv: list[str]) -> bool:
+        """Starts ``argv`` for the engine; False (the engine ``failed``, held) when the process cannot start."""
+        process = EngineProcess(state.name, argv, self.config.engines[state.name].env,
+                                self.log_dir / f"{state.name}.log")
+        try:
+            process.start()
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            state.state, state.last_error = "failed", f"cannot start {argv[0]!r}: {exc}"
+            log.error("engine %s: %s", state.name, state.last_error)
+            return False
+        state.argv, state.process, state.state = argv, process, "starting"
+        log.info("engine %s starting (pid %s, config %s)", state.name, process.pid, config_hash(argv))
+        return True
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -258,6 +317,8 @@ class EngineSupervisor:
             await asyncio.gather(*(self._up(state) for state in self.engines.values()))
 
     async def _up(self, state: EngineState) -> None:
+        if state.state == "failed":
+            return
         error = await self._healthy(state)
         if error is None:
             state.state = "serving"
@@ -270,14 +331,37 @@ class EngineSupervisor:
     async def _watch(self, current: Callable[[], Any], every_s: float) -> None:
         while True:
             await asyncio.sleep(every_s)
-            bundle = current()
-            if bundle is self._seen:
-                continue
-            self._seen = bundle
             try:
+                await self._revive_crashed()
+                bundle = current()
+                if bundle is self._seen:
+                    continue
+                self._seen = bundle
+                # The active revision's engines: a traffic canary that changes engine arguments runs on the
+                # baseline's engines until it is promoted (workers-mode rollouts give the canary its own bundle).
                 await self.apply(bundle.active.document if bundle is not None else None)
             except RenderError as exc:  # a policy this worker cannot render keeps the engines as they are
                 log.error("engine arguments not rendered for the new policy: %s", exc)
+            except Exception:  # supervision must outlive any one failure
+                log.exception("engine supervision step failed; it goes on")
+
+    async def _revive_crashed(self) -> None:
+        """An engine whose process ended while it served is held and started again with the same arguments."""
+        for state in self.engines.values():
+            code = state.process.exit_code() if state.process is not None else None
+            if state.state != "serving" or code is None:
+                continue
+            async with self._lock:
+                state.state = "restarting"
+                state.crashes += 1
+                state.last_error = f"exited with {code} while serving (log {self.log_dir / (state.name + '.log')})"
+                log.error("engine %s %s: starting it again", state.name, state.last_error)
+                self.pools.hold(state.url)
+                self._changed()
+                assert state.process is not None
+                await state.process.stop(self.config.stop_timeout_s)  # what is left of its group
+                if self._launch(state, state.argv):
+                    await self._up(state)
 
     async def _healthy(self, state: EngineState) -> str | None:
         """None once the engine's /health answers 200; else why not (exited, or not within start_timeout_s)."""
@@ -316,8 +400,7 @@ class EngineSupervisor:
         state.state = "restarting"
         if state.process is not None:
             await state.process.stop(self.config.stop_timeout_s)
-        self._launch(state, argv)
-        error = await self._healthy(state)
+        error = await self._healthy(state) if self._launch(state, argv) else state.last_error
         if error is None:
             state.restarts += 1
             state.state, state.last_error = "serving", None
@@ -326,12 +409,12 @@ class EngineSupervisor:
             self._changed()
             return
         state.failed_restarts += 1
+        state.refused[config_hash(argv)] = time.monotonic()
         state.last_error = f"the new arguments did not come up: {error}; back on the previous ones"
         log.error("engine %s: %s", state.name, state.last_error)
-        assert state.process is not None
-        await state.process.stop(self.config.stop_timeout_s)
-        self._launch(state, old)
-        back = await self._healthy(state)
+        if state.process is not None:
+            await state.process.stop(self.config.stop_timeout_s)
+        back = await self._healthy(state) if old and self._launch(state, old) else "no previous arguments"
         if back is None:
             state.state = "serving"
             self.pools.release(state.url)

@@ -218,7 +218,7 @@ def _terminate(record: EngineRecord, grace_s: float = ENGINE_STOP_GRACE_S) -> No
             child.wait(timeout=5)
 
 
-def _compile_cache(variant: str) -> dict[str, str]:
+def compile_cache(variant: str) -> dict[str, str]:
     """vLLM's compile cache, one per variant: engines started together never write one cache at once, and
     each variant's compiled graphs stay its own between runs."""
     return {"VLLM_CACHE_ROOT": str(cache_dir() / "vllm-compile" / variant)}
@@ -285,7 +285,7 @@ def start(variants: Iterable[str] = VARIANTS, base_port: int = DEFAULT_BASE_PORT
                 proc = subprocess.Popen(  # noqa: S603
                     lifeline.wrap(cmd, grace_s=ENGINE_STOP_GRACE_S) if die_with_parent else cmd,
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env.engine_env({**_compile_cache(name), **cpu_binding(name), **(extra_env or {})}),
+                    env=env.engine_env({**compile_cache(name), **cpu_binding(name), **(extra_env or {})}),
                     start_new_session=True,
                     cwd=state.directory)
             _CHILDREN[proc.pid] = proc

@@ -185,11 +185,20 @@ def test_the_supervise_file_is_checked_field_by_field(tmp_path: Path) -> None:
     data = yaml.safe_load(path.read_text())
     data["engines"]["draft"]["port"] = 70000
     data["engines"]["base"]["gpu"] = 0
+    data["engines"]["base"]["host"] = "[::1]"
+    data["engines"]["base"]["env"] = {"A=B": "1"}
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(SuperviseError) as info:
         load_supervise_file(path)
     assert "engines.draft.port" in str(info.value)
     assert "engines.base.gpu" in str(info.value)
+    assert "engines.base.host" in str(info.value)
+    assert "engines.base.env.A=B" in str(info.value)
+    data = yaml.safe_load(supervise_file(tmp_path).read_text())
+    data["engines"]["Draft Model!"] = data["engines"].pop("draft")
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SuperviseError, match=r"engines\.Draft Model!"):
+        load_supervise_file(path)
     data = yaml.safe_load(supervise_file(tmp_path).read_text())
     data["engines"]["draft"]["port"] = data["engines"]["base"]["port"]
     path.write_text(yaml.safe_dump(data))
@@ -276,3 +285,47 @@ def test_a_policy_applied_while_the_engines_start_waits_for_them(tmp_path: Path,
         assert (base["state"], base["restarts"]) == ("serving", 0)
     finally:
         loop_thread.run(supervisor.stop(), timeout=30)
+
+
+def test_an_engine_that_dies_while_serving_is_started_again(supervised: Any, loop_thread: LoopThread) -> None:
+    sidecar, supervisor, _, _ = supervised
+
+    async def watch() -> None:
+        supervisor.watch(lambda: sidecar.store.current, every_s=0.05)
+
+    loop_thread.run(watch())
+    first = supervisor.engines["draft"].report()["pid"]
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: supervisor.engines["draft"].report()["crashes"] == 1
+             and supervisor.engines["draft"].report()["state"] == "serving", timeout=30)
+    report = supervisor.engines["draft"].report()
+    assert report["pid"] != first
+    assert "exited with -9 while serving" in report["last_error"]
+    assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 3
+
+
+def test_arguments_that_failed_are_not_tried_again_for_every_bundle(supervised: Any,
+                                                                    loop_thread: LoopThread) -> None:
+    _, supervisor, _, _ = supervised
+    bad = policy(3, model="models/missing-draft")
+    loop_thread.run(supervisor.apply(bad), timeout=60)
+    loop_thread.run(supervisor.apply(bad), timeout=60)  # e.g. a canary step or the kill switch: a new bundle
+    report = supervisor.engines["draft"].report()
+    assert (report["failed_restarts"], report["state"]) == (1, "serving")
+
+
+def test_the_first_policy_does_not_restart_a_plain_engine(tmp_path: Path) -> None:
+    config = load_supervise_file(supervise_file(tmp_path))
+    assert engine_argv(config, "base", None) == engine_argv(config, "base", policy(3))
+    assert engine_argv(config, "draft", None) != engine_argv(config, "draft", policy(3))
+
+
+def test_supervise_from_the_environment_names_the_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.settings import SidecarSettings
+
+    path = supervise_file(tmp_path)
+    monkeypatch.setenv("SPECGATE_SUPERVISE", str(path))
+    config = load_supervise_file(path)
+    assert SidecarSettings().engines == {name: [config.url(name)] for name in config.engines}
+    with pytest.raises(ValueError, match="leave out --engine"):
+        SidecarSettings(engines={"base": "http://127.0.0.1:1"})

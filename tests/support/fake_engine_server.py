@@ -6,7 +6,8 @@ It is not vLLM. It reads the arguments the supervisor gives a vLLM server (``--m
 :class:`tests.support.fake_upstream.FakeEngine` whose answers' text is the speculative config it was started
 with (``{}`` without one), so a test sees which arguments answered. Each token takes
 ``FAKE_ENGINE_TOKEN_DELAY_S`` (default 0.02). Like vLLM it refuses to start, exit 1, when the
-speculative config names a draft model path that does not exist.
+speculative config names a draft model path that does not exist. Unlike vLLM, SIGTERM ends it at once,
+cutting off answers in flight.
 """
 
 from __future__ import annotations
@@ -43,12 +44,10 @@ def main() -> int:
         engine.token_delay = float(os.environ.get("FAKE_ENGINE_TOKEN_DELAY_S", "0.02"))
         await engine.start()
         print(f"FAKE engine up on {args.host}:{args.port} with {engine.content}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await engine.stop()
+        # SIGTERM ends it at once, answers in flight cut off: a test then sees whether the supervisor drained
+        # the engine before stopping it (a real server's graceful shutdown would hide that).
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        await asyncio.Event().wait()
 
     asyncio.run(serve())
     return 0

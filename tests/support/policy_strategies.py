@@ -255,8 +255,8 @@ def _other_predicates(rule: dict[str, Any]) -> str:
 @st.composite
 def in_engine_documents(draw: st.DrawFn) -> dict[str, Any]:
     """A raw document with one speculative engine marked ``schedule: in_engine``, repaired into one the validator
-    accepts but for shadowed rules: one group of rules for that engine, and neither the default nor exploration
-    sending requests there."""
+    accepts but for shadowed rules: one group of rules for that engine, none of them with a range below batch 1,
+    and neither the default nor exploration sending requests there."""
     raw = draw(raw_documents(min_rules=1))
     speculative = speculative_names(raw["engines"])
     if not speculative:
@@ -272,6 +272,9 @@ def in_engine_documents(draw: st.DrawFn) -> dict[str, Any]:
     kept = []
     for rule in raw.get("rules", []):
         if rule["then"]["engine"] == engine:
+            batch = rule.get("when", {}).get("batch_size") or {}
+            if batch.get("max") is not None and batch["max"] < 1:
+                continue  # holds no batch the engine runs: refused for an in-engine engine
             key = _other_predicates(rule)
             group = key if group is None else group
             if key != group:
