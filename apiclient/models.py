@@ -202,6 +202,17 @@ class Replica(Answer):
     next_probe_in_s: float | None
 
 
+class SupervisedEngine(Answer):
+    engine: str
+    state: str
+    config_hash: str | None
+    revision: str | None
+    restarts: int
+    failed_restarts: int
+    crashes: int
+    last_error: str | None
+
+
 class Worker(Answer):
     id: str
     kind: str
@@ -217,6 +228,9 @@ class Worker(Answer):
     converged: bool
     replicas: list[Replica]
     replicas_reported_at: dt.datetime | None
+    engines_converged: bool | None
+    supervised_engines: list[SupervisedEngine]
+    supervised_reported_at: dt.datetime | None
 
 
 class WorkerPage(Answer):

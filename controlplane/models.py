@@ -154,6 +154,10 @@ class Worker(Base):
     # NULL: it never reported any. Kept as one document: it is replaced whole by each report, never queried.
     replicas: Mapped[list[Any] | None] = mapped_column(JSON)
     replicas_reported_at: Mapped[dt.datetime | None] = mapped_column()
+    # The engines its sidecar starts and restarts itself ([{engine, state, config_hash, revision, ...}],
+    # controlplane.worker.schemas.SupervisedEngineRead); NULL: it never reported any. Replaced whole.
+    supervised_engines: Mapped[list[Any] | None] = mapped_column(JSON)
+    supervised_reported_at: Mapped[dt.datetime | None] = mapped_column()
 
 
 class ApiKey(Base):

@@ -84,6 +84,7 @@ class Sidecar:
 
             self.supervisor = EngineSupervisor(load_supervise_file(self.settings.supervise), pools,
                                                self.settings.state_dir, on_change=self.sync.report_soon)
+            self.sync.supervised = self.supervisor.report
             if metrics is not None:
                 metrics.supervisor = self.supervisor
 
@@ -97,7 +98,8 @@ class Sidecar:
         if self.supervisor is not None:
             # the last-known-good bundle (if any) is loaded: the engines start with its arguments, then follow
             bundle = self.store.current
-            self.supervisor.start(bundle.active.document if bundle is not None else None)
+            self.supervisor.start(bundle.active.document if bundle is not None else None,
+                                  bundle.active.revision if bundle is not None else None)
             self.supervisor.watch(lambda: self.store.current)
         current = self.store.current
         settings = self.settings

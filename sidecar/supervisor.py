@@ -48,6 +48,7 @@ _HEALTH_POLL_S = 0.5
 PLAIN_ARGS = "--enable-per-request-metrics"  # policies.render.vllm_serve_args of a plain engine
 # Arguments that did not come up are not tried again for this long, whatever bundles arrive meanwhile.
 RETRY_REFUSED_AFTER_S = 600.0
+MAX_REPORTED_ERROR = 2048
 # libc's prctl, looked up here: the child between fork and exec must not load libraries.
 try:
     _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
@@ -215,6 +216,9 @@ class EngineState:
     url: str
     argv: list[str] = field(default_factory=list)
     state: str = "stopped"  # starting, serving, draining, restarting, failed, stopped
+    # the policy revision whose arguments ``argv`` are (None: no policy's); what the control plane compares
+    # with the revision the worker runs to tell whether its engines caught up
+    revision: str | None = None
     process: EngineProcess | None = None
     restarts: int = 0
     failed_restarts: int = 0
@@ -224,9 +228,14 @@ class EngineState:
     refused: dict[str, float] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
+        """What /metrics and the heartbeat carry (controlplane.worker.schemas.SupervisedEngineReport)."""
+        error = self.last_error
+        if error is not None and len(error) > MAX_REPORTED_ERROR:  # the control plane's bound
+            error = error[:MAX_REPORTED_ERROR - 3] + "..."
         return {"engine": self.name, "state": self.state, "config_hash": config_hash(self.argv) if self.argv else None,
-                "pid": self.process.pid if self.process is not None else None, "restarts": self.restarts,
-                "failed_restarts": self.failed_restarts, "crashes": self.crashes, "last_error": self.last_error}
+                "revision": self.revision, "pid": self.process.pid if self.process is not None else None,
+                "restarts": self.restarts, "failed_restarts": self.failed_restarts, "crashes": self.crashes,
+                "last_error": error}
 
 
 class EngineSupervisor:
@@ -246,12 +255,12 @@ class EngineSupervisor:
 
     # --- what the sidecar calls --------------------------------------------------------------------
 
-    def start(self, doc: PolicyDocument | None) -> None:
-        """Starts every engine for ``doc`` and returns; each is routed to once its /health answers. A policy
-        applied meanwhile waits until every engine is up or failed (the same lock)."""
+    def start(self, doc: PolicyDocument | None, revision: str | None = None) -> None:
+        """Starts every engine for ``doc`` (of ``revision``) and returns; each is routed to once its /health
+        answers. A policy applied meanwhile waits until every engine is up or failed (the same lock)."""
         for state in self.engines.values():
             self.pools.hold(state.url)
-            self._launch(state, engine_argv(self.config, state.name, doc))
+            self._launch(state, engine_argv(self.config, state.name, doc), revision)
         self._tasks.append(asyncio.create_task(self._first_health(), name="engines-up"))
 
     def watch(self, current: Callable[[], Any], every_s: float = 0.25) -> None:
@@ -260,21 +269,24 @@ class EngineSupervisor:
         self._seen = current()
         self._tasks.append(asyncio.create_task(self._watch(current, every_s), name="engine-supervisor"))
 
-    async def apply(self, doc: PolicyDocument | None) -> None:
-        """Restarts, one at a time, every engine whose arguments ``doc`` changes (or that is down). Every
-        engine's arguments are rendered first: a policy that cannot be rendered changes nothing."""
+    async def apply(self, doc: PolicyDocument | None, revision: str | None = None) -> None:
+        """Restarts, one at a time, every engine whose arguments ``doc`` (of ``revision``) changes (or that is
+        down). Every engine's arguments are rendered first: a policy that cannot be rendered changes nothing."""
         wanted = {name: engine_argv(self.config, name, doc) for name in self.engines}
         async with self._lock:
             for state in self.engines.values():
                 argv = wanted[state.name]
                 if argv == state.argv and state.state != "failed":
+                    if state.revision != revision:  # the same arguments are now this revision's too
+                        state.revision = revision
+                        self._changed()
                     continue
                 refused_at = state.refused.get(config_hash(argv))
                 if refused_at is not None and time.monotonic() - refused_at < RETRY_REFUSED_AFTER_S:
                     log.info("engine %s: arguments %s did not come up %.0f s ago; not tried again yet",
                              state.name, config_hash(argv), time.monotonic() - refused_at)
                     continue
-                await self._restart(state, argv)
+                await self._restart(state, argv, revision)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -294,8 +306,9 @@ class EngineSupervisor:
 
     # --- inside --------------------------------------------------------------------------------------
 
-    def _launch(self, state: EngineState, argv: list[str]) -> bool:
-        """Starts ``argv`` for the engine; False (the engine ``failed``, held) when the process cannot start."""
+    def _launch(self, state: EngineState, argv: list[str], revision: str | None) -> bool:
+        """Starts ``argv`` (of ``revision``) for the engine; False (the engine ``failed``, held) when the process
+        cannot start."""
         process = EngineProcess(state.name, argv, self.config.engines[state.name].env,
                                 self.log_dir / f"{state.name}.log")
         try:
@@ -304,7 +317,7 @@ class EngineSupervisor:
             state.state, state.last_error = "failed", f"cannot start {argv[0]!r}: {exc}"
             log.error("engine %s: %s", state.name, state.last_error)
             return False
-        state.argv, state.process, state.state = argv, process, "starting"
+        state.argv, state.revision, state.process, state.state = argv, revision, process, "starting"
         log.info("engine %s starting (pid %s, config %s)", state.name, process.pid, config_hash(argv))
         return True
 
@@ -339,7 +352,8 @@ class EngineSupervisor:
                 self._seen = bundle
                 # The active revision's engines: a traffic canary that changes engine arguments runs on the
                 # baseline's engines until it is promoted (workers-mode rollouts give the canary its own bundle).
-                await self.apply(bundle.active.document if bundle is not None else None)
+                await self.apply(bundle.active.document if bundle is not None else None,
+                                 bundle.active.revision if bundle is not None else None)
             except RenderError as exc:  # a policy this worker cannot render keeps the engines as they are
                 log.error("engine arguments not rendered for the new policy: %s", exc)
             except Exception:  # supervision must outlive any one failure
@@ -360,7 +374,7 @@ class EngineSupervisor:
                 self._changed()
                 assert state.process is not None
                 await state.process.stop(self.config.stop_timeout_s)  # what is left of its group
-                if self._launch(state, state.argv):
+                if self._launch(state, state.argv, state.revision):
                     await self._up(state)
 
     async def _healthy(self, state: EngineState) -> str | None:
@@ -392,15 +406,15 @@ class EngineSupervisor:
             log.warning("engine %s: %d requests still in flight after %.0f s of draining; restarting anyway",
                         state.name, left, self.config.drain_timeout_s)
 
-    async def _restart(self, state: EngineState, argv: list[str]) -> None:
-        old = state.argv
+    async def _restart(self, state: EngineState, argv: list[str], revision: str | None) -> None:
+        old, old_revision = state.argv, state.revision
         log.info("engine %s: new arguments (config %s -> %s): draining", state.name, config_hash(old),
                  config_hash(argv))
         await self._drain(state)
         state.state = "restarting"
         if state.process is not None:
             await state.process.stop(self.config.stop_timeout_s)
-        error = await self._healthy(state) if self._launch(state, argv) else state.last_error
+        error = await self._healthy(state) if self._launch(state, argv, revision) else state.last_error
         if error is None:
             state.restarts += 1
             state.state, state.last_error = "serving", None
@@ -414,7 +428,8 @@ class EngineSupervisor:
         log.error("engine %s: %s", state.name, state.last_error)
         if state.process is not None:
             await state.process.stop(self.config.stop_timeout_s)
-        back = await self._healthy(state) if old and self._launch(state, old) else "no previous arguments"
+        back = (await self._healthy(state) if old and self._launch(state, old, old_revision)
+                else "no previous arguments")
         if back is None:
             state.state = "serving"
             self.pools.release(state.url)

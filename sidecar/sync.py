@@ -133,7 +133,9 @@ class PolicySync:
 
     ``in_flight`` (optional) returns the number of requests in flight, and
     ``replicas`` (optional) the state of each engine's replicas
-    (``sidecar.replicas.Pools.report``), both reported in heartbeats.
+    (``sidecar.replicas.Pools.report``), both reported in heartbeats; so is
+    ``supervised`` when set: the engines the sidecar runs itself
+    (``sidecar.supervisor.EngineSupervisor.report``).
     ``session`` may be shared; one is created (and closed) here otherwise.
     Call :meth:`start` inside the event loop that will run it.
     """
@@ -151,6 +153,7 @@ class PolicySync:
         self._own_session = session is None
         self._in_flight = in_flight
         self._replicas = replicas
+        self.supervised: Callable[[], list[dict[str, Any]]] | None = None
         self._backoff_cap = backoff_cap_s
         self._state_dir = Path(settings.state_dir)
         self._wait = settings.long_poll_s
@@ -589,6 +592,11 @@ class PolicySync:
         if self._replicas is not None:
             with contextlib.suppress(Exception):
                 body["replicas"] = self._replicas()[:MAX_REPORTED_REPLICAS]
+        if self.supervised is not None:
+            with contextlib.suppress(Exception):
+                body["supervised_engines"] = [
+                    {key: value for key, value in report.items() if key in SUPERVISED_REPORT_FIELDS}
+                    for report in self.supervised()]
         for _ in (1, 2):
             async with self._session.post(f"{self._base}/v1/workers/{self.worker_id}/heartbeat", json=body,
                                           headers=self._auth,
@@ -615,6 +623,9 @@ class PolicySync:
 # What the control plane accepts (controlplane/worker/schemas.py): replicas per heartbeat, characters of an
 # engine's description at registration.
 MAX_REPORTED_REPLICAS = 256
+# What a supervised engine's heartbeat report holds (the pid stays local: /metrics and the log have it).
+SUPERVISED_REPORT_FIELDS = frozenset({"engine", "state", "config_hash", "revision", "restarts", "failed_restarts",
+                                      "crashes", "last_error"})
 MAX_ENGINE_DESCRIPTION = 2048
 
 

@@ -28,6 +28,11 @@ ReplicaAddress = Annotated[str, StringConstraints(min_length=1, max_length=255, 
 WorkerKind = Literal["worker", "gateway"]
 ReplicaState = Literal["healthy", "ejected", "held"]
 MAX_REPLICAS = 256
+# What a sidecar's engine supervisor (sidecar/supervisor.py) says of an engine it runs.
+SupervisedState = Literal["starting", "serving", "draining", "restarting", "failed", "stopped"]
+MAX_SUPERVISED = 64
+ConfigHash = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
+ErrorText = Annotated[str, StringConstraints(max_length=2048, pattern=NO_NUL)]
 # Replica reports are stored as JSON and summed for the fleet: the same bounds as telemetry's counters
 # (32-bit integers, finite floats up to 1e12), so no report can overflow a reader. Strict: JSON false is
 # not a count, nor "3" a gauge.
@@ -68,6 +73,27 @@ class ReplicaReport(BaseModel):
     next_probe_in_s: Gauge | None = Field(None, description="while ejected: seconds until the next probe")
 
 
+class SupervisedEngineReport(BaseModel):
+    """One engine the sidecar starts and restarts itself (``specgate sidecar --supervise``), as it runs now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineName
+    state: SupervisedState = Field(description="serving: routed to; starting, draining, restarting: held out of "
+                                               "routing; failed: down (neither new nor previous arguments came "
+                                               "up); stopped: the sidecar is stopping")
+    config_hash: ConfigHash | None = Field(None, description="a hash of the engine's whole command line; null "
+                                                             "before it was first started")
+    revision: Short | None = Field(None, description="the policy revision whose arguments the engine runs; null: "
+                                                     "no policy's (started before any bundle)")
+    restarts: Count = Field(0, description="restarts with new arguments that came up")
+    failed_restarts: Count = Field(0, description="restarts whose new arguments did not come up (the engine went "
+                                                  "back to its previous ones)")
+    crashes: Count = Field(0, description="times its process ended while it served (started again)")
+    last_error: ErrorText | None = Field(None, description="why the last start or restart failed; null once it "
+                                                           "serves with new arguments")
+
+
 class WorkerHeartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -80,6 +106,10 @@ class WorkerHeartbeat(BaseModel):
         None, max_length=MAX_REPLICAS,
         description="every replica the sidecar routes to, now; null or left out: unchanged since the last "
                     "report; []: none")
+    supervised_engines: list[SupervisedEngineReport] | None = Field(
+        None, max_length=MAX_SUPERVISED,
+        description="the engines the sidecar supervises, now; null or left out: unchanged since the last report; "
+                    "[]: it supervises none")
 
     @field_validator("active_etag", mode="before")
     @classmethod
@@ -99,6 +129,17 @@ class WorkerHeartbeat(BaseModel):
                                           "twice (again at index {index})",
                                           {"replica": report.replica, "engine": report.engine, "index": i})
             seen.add(key)
+        return value
+
+    @field_validator("supervised_engines")
+    @classmethod
+    def _one_report_per_engine(cls, value: list[SupervisedEngineReport] | None) -> list[SupervisedEngineReport] | None:
+        seen: set[str] = set()
+        for i, report in enumerate(value or ()):
+            if report.engine in seen:
+                raise PydanticCustomError("duplicate_key", "engine '{engine}' is reported twice (again at index "
+                                          "{index})", {"engine": report.engine, "index": i})
+            seen.add(report.engine)
         return value
 
 
@@ -121,6 +162,17 @@ class ReplicaRead(BaseModel):
     next_probe_in_s: float | None = Field(description="null unless ejected")
 
 
+class SupervisedEngineRead(BaseModel):
+    engine: str
+    state: SupervisedState
+    config_hash: str | None
+    revision: str | None
+    restarts: int
+    failed_restarts: int
+    crashes: int
+    last_error: str | None
+
+
 class WorkerRead(BaseModel):
     id: str
     kind: WorkerKind
@@ -134,11 +186,19 @@ class WorkerRead(BaseModel):
     active_etag: str | None
     expected_etag: str | None
     stale: bool = Field(description="no heartbeat for longer than SPECGATE_WORKER_STALE_AFTER_S")
-    converged: bool = Field(description="the reported ETag is the expected one")
+    converged: bool = Field(description="the reported ETag is the expected one, and the engines the worker "
+                                        "supervises (if any) serve with the arguments of the revision it runs")
+    engines_converged: bool | None = Field(description="every engine the worker supervises serves with the "
+                                                       "arguments of its active revision; null when it supervises "
+                                                       "none")
     replicas: list[ReplicaRead] = Field(description="the replicas it last reported, by engine and replica; "
                                                     "[] when it never reported any")
     replicas_reported_at: dt.datetime | None = Field(description="when it last reported its replicas; null "
                                                                  "when it never did")
+    supervised_engines: list[SupervisedEngineRead] = Field(description="the engines it last reported supervising, "
+                                                                       "by name; [] when none")
+    supervised_reported_at: dt.datetime | None = Field(description="when it last reported them; null when it "
+                                                                   "never did")
 
 
 class WorkerPage(BaseModel):

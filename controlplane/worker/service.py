@@ -26,6 +26,7 @@ from controlplane.worker.schemas import (
     ReplicaRead,
     ReplicaReport,
     RevisionCount,
+    SupervisedEngineRead,
     WorkerHeartbeat,
     WorkerKind,
     WorkerPage,
@@ -103,8 +104,9 @@ def register(session: Session, body: WorkerRegister, *, who: Principal) -> Regis
 
 
 def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: Principal) -> HeartbeatAck:
-    # Heartbeats are not audited: they report liveness and what a worker runs, not a change
-    # anyone made, and auditing them would bury the real changes.
+    # Heartbeats are not audited: they report liveness and what a worker runs, not a change anyone made,
+    # and auditing them would bury the real changes. Except an engine failure they report: a policy change
+    # that an engine could not run (or an engine that died) is what an operator looks for in the audit log.
     authorize_worker(session, who, worker_id)
     worker = get_worker(session, worker_id)
     worker.last_heartbeat_at = utcnow()
@@ -118,8 +120,55 @@ def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: P
     if body.replicas is not None:
         worker.replicas = [_stored(report) for report in body.replicas]
         worker.replicas_reported_at = worker.last_heartbeat_at
+    if body.supervised_engines is not None:
+        reports = [report.model_dump(mode="json") for report in body.supervised_engines]
+        _audit_engine_failures(session, who, worker, worker.supervised_engines or [], reports)
+        worker.supervised_engines = reports
+        worker.supervised_reported_at = worker.last_heartbeat_at
     expected = load_view(session, [worker.pool]).expected_etag(worker)
-    return HeartbeatAck(expected_etag=expected, converged=worker.active_etag == expected)
+    return HeartbeatAck(expected_etag=expected,
+                        converged=worker.active_etag == expected and _engines_converged(worker) is not False)
+
+
+# What a report says went wrong, as counters that only grow while one sidecar process runs.
+_FAILURES = (("failed_restarts", "worker.engine_restart_failed"), ("crashes", "worker.engine_crashed"))
+
+
+def _audit_engine_failures(session: Session, who: Principal, worker: Worker, before: list[dict[str, Any]],
+                           after: list[dict[str, Any]]) -> None:
+    """One audit event per failure a heartbeat reports for the first time: a restart whose new arguments did
+    not come up, a crash, an engine that went down. A restarted sidecar counts from 0 again, so a count that
+    changed (up, or down and above 0) is news; the same report sent again is not."""
+    previous = {item.get("engine"): item for item in before if isinstance(item, dict)}
+    for report in after:
+        old = previous.get(report["engine"], {})
+        events = [action for counter, action in _FAILURES
+                  if report[counter] > 0 and report[counter] != old.get(counter, 0)]
+        if report["state"] == "failed" and old.get("state") != "failed":
+            events.append("worker.engine_down")
+        for action in events:
+            record(session, actor=who.actor, action=action, target_type="worker", target_id=worker.id,
+                   before={key: old.get(key) for key in ("state", "revision", "config_hash")} if old else None,
+                   after={"engine": report["engine"], "state": report["state"], "revision": report["revision"],
+                          "config_hash": report["config_hash"], "failed_restarts": report["failed_restarts"],
+                          "crashes": report["crashes"]},
+                   reason=report["last_error"] or "")
+
+
+def _supervised(worker: Worker) -> list[SupervisedEngineRead]:
+    reports = [SupervisedEngineRead.model_validate(item) for item in worker.supervised_engines or ()]
+    return sorted(reports, key=lambda r: r.engine)
+
+
+def _engines_converged(worker: Worker) -> bool | None:
+    """Whether every engine the worker supervises serves with the arguments of the revision it runs (None:
+    it supervises none). A bundle arrives before its engines restart: until they serve its arguments the
+    worker has not converged."""
+    reports = worker.supervised_engines or []
+    if not reports:
+        return None
+    return all(item.get("state") == "serving" and item.get("revision") == worker.active_revision_id
+               for item in reports)
 
 
 def _stored(report: ReplicaReport) -> dict[str, Any]:
@@ -141,14 +190,18 @@ def _stale_before(stale_after_s: float) -> dt.datetime:
 
 def describe(worker: Worker, view: DistributionView, stale_before: dt.datetime) -> WorkerRead:
     expected = view.expected_etag(worker)
+    engines_converged = _engines_converged(worker)
     return WorkerRead(
         id=worker.id, kind=_kind(worker.kind), pool=worker.pool, labels=dict(worker.labels or {}),
         engines=dict(worker.engines or {}),
         sidecar_version=worker.sidecar_version, registered_at=worker.registered_at,
         last_heartbeat_at=worker.last_heartbeat_at, active_revision=worker.active_revision_id,
         active_etag=worker.active_etag, expected_etag=expected,
-        stale=worker.last_heartbeat_at < stale_before, converged=worker.active_etag == expected,
+        stale=worker.last_heartbeat_at < stale_before,
+        converged=worker.active_etag == expected and engines_converged is not False,
+        engines_converged=engines_converged,
         replicas=_replicas(worker), replicas_reported_at=worker.replicas_reported_at,
+        supervised_engines=_supervised(worker), supervised_reported_at=worker.supervised_reported_at,
     )
 
 

@@ -23,7 +23,12 @@ def _pct(value: float | None) -> str:
 
 
 def _state(w: Worker) -> str:
-    return "stale" if w.stale else ("converged" if w.converged else "converging")
+    if w.stale:
+        return "stale"
+    if w.converged:
+        return "converged"
+    # the bundle is there, the engines it supervises are not on its arguments yet (or failed to restart)
+    return "engines restarting" if w.engines_converged is False and w.active_etag == w.expected_etag else "converging"
 
 
 def _sidecars(items: list[Worker], name: str) -> pd.DataFrame:
@@ -46,6 +51,16 @@ def _replicas(items: list[Worker]) -> pd.DataFrame:
         "returns": r.returns, "next probe": _probe(r.next_probe_in_s),
         "as of": "stale" if w.stale else ui.ago(w.replicas_reported_at),
     } for w in items for r in w.replicas])
+
+
+def _supervised(items: list[Worker]) -> pd.DataFrame:
+    # Errors are the engines' own words relayed by sidecars: shown in a table, as text.
+    return pd.DataFrame([{
+        "worker": w.id, "engine": e.engine, "state": e.state, "runs arguments of": ui.short(e.revision),
+        "worker runs": ui.short(w.active_revision), "config": e.config_hash or "-", "restarts": e.restarts,
+        "failed restarts": e.failed_restarts, "crashes": e.crashes, "last error": e.last_error or "",
+        "as of": "stale" if w.stale else ui.ago(w.supervised_reported_at),
+    } for w in items for e in w.supervised_engines])
 
 
 def _fleet(session: ui.Session, fleet: Fleet) -> None:
@@ -91,6 +106,11 @@ def _fleet(session: ui.Session, fleet: Fleet) -> None:
         st.caption("Replicas, as each worker and gateway last reported them (ejected: no requests until a probe "
                    "brings it back)")
         st.dataframe(replicas, hide_index=True, width="stretch")
+    supervised = _supervised(page.items)
+    if not supervised.empty:
+        st.caption("Engines the sidecars start and restart themselves (--supervise): the revision whose arguments "
+                   "each runs; a restart that failed leaves an engine on the previous arguments")
+        st.dataframe(supervised, hide_index=True, width="stretch")
 
 
 def _busiest_policy(report: RollupReport) -> str | None:

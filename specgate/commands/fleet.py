@@ -43,6 +43,8 @@ def workers(pool: Annotated[str | None, typer.Option()] = None,
             kind: Annotated[str | None, typer.Option(help="worker or gateway; both when left out")] = None,
             replicas: Annotated[bool, typer.Option("--replicas", help="also each one's engine replicas, as its "
                                                    "last heartbeat reported them")] = False,
+            engines: Annotated[bool, typer.Option("--engines", help="also the engines each one supervises: their "
+                                                  "state and the revision whose arguments they run")] = False,
             as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL, key: KeyOpt = "") -> None:
     """The fleet: which revision each worker and gateway runs, whether it converged, and its replicas."""
     raw: list[dict[str, Any]] = []
@@ -62,7 +64,9 @@ def workers(pool: Annotated[str | None, typer.Option()] = None,
         return
     typer.echo(f"converged: {fleet.data.overall.converged}")
     for w in items:
-        mark = "stale" if w.stale else ("ok" if w.converged else "converging")
+        mark = "stale" if w.stale else ("ok" if w.converged else (
+            "engines restarting" if w.engines_converged is False and w.active_etag == w.expected_etag
+            else "converging"))
         typer.echo(f"{w.id:<32} {w.kind:<8} pool={w.pool:<16} etag={str(w.active_etag)[:12]:<12} "
                    f"expected={str(w.expected_etag)[:12]:<12} {mark}")
         if replicas:
@@ -72,3 +76,9 @@ def workers(pool: Annotated[str | None, typer.Option()] = None,
                 waiting = "-" if r.waiting is None else f"{r.waiting:g}"
                 typer.echo(f"    {r.engine:<12} {r.replica:<32} {r.state:<8} in flight {r.in_flight}, running "
                            f"{running}, waiting {waiting}, ejections {r.ejections}{probe}")
+        if engines:
+            for e in w.supervised_engines:
+                error = f"; last error: {e.last_error}" if e.last_error else ""
+                typer.echo(f"    {e.engine:<12} {e.state:<10} runs {str(e.revision)[:12]:<12} config "
+                           f"{e.config_hash or '-'}, restarts {e.restarts}, failed {e.failed_restarts}, crashes "
+                           f"{e.crashes}{error}")

@@ -148,6 +148,37 @@ def test_overview_shows_gateways_apart_and_every_replica(live_control_plane: Liv
     assert rows[0]["next probe"] == "-"
 
 
+def test_overview_shows_supervised_engines_and_a_worker_whose_engine_did_not_restart(
+        live_control_plane: LiveControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seed.seed_all(cp.url, cp.admin, cp.worker, minutes=1, per_minute=2)
+    with _api(cp, cp.worker) as api:
+        api.post("/v1/workers/register", json={"id": "fleet-sup-1", "pool": "fleet",
+                                               "engines": {"base": "http://127.0.0.1:8000"}}).raise_for_status()
+        etag = api.get("/v1/bundle", params={"worker": "fleet-sup-1"}).json()["etag"]
+    with _api(cp, cp.viewer) as api:
+        active = api.get("/v1/policies/fleet").json()["active_revision_id"]
+    engine = {"state": "serving", "config_hash": "0123456789abcdef", "restarts": 0, "failed_restarts": 0,
+              "crashes": 0, "last_error": None}
+    with _api(cp, cp.worker) as api:
+        api.post("/v1/workers/fleet-sup-1/heartbeat", json={
+            "active_revision": active, "active_etag": etag, "supervised_engines": [
+                {**engine, "engine": "base", "revision": active},
+                {**engine, "engine": "draft", "revision": "r-previous", "failed_restarts": 1,
+                 "last_error": "the new arguments did not come up: **not markdown**"}]}).raise_for_status()
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("overview").run()
+    no_exception(at)
+    workers = _table(at, "worker")
+    states = dict(zip(workers["worker"], workers["state"], strict=True))
+    assert states["fleet-sup-1"] == "engines restarting"
+    rows = _table(at, "runs arguments of").to_dict("records")
+    assert [(r["worker"], r["engine"], r["state"], r["runs arguments of"], r["failed restarts"]) for r in rows] == [
+        ("fleet-sup-1", "base", "serving", active[:12], 0), ("fleet-sup-1", "draft", "serving", "r-previous", 1)]
+    assert rows[1]["last error"] == "the new arguments did not come up: **not markdown**"
+    assert rows[1]["worker runs"] == active[:12]
+
+
 def test_overview_of_workers_only_shows_no_gateway_or_replica_table(live_control_plane: LiveControlPlane,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     cp = live_control_plane

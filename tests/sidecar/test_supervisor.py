@@ -90,7 +90,7 @@ def supervised(tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFac
     supervisor = EngineSupervisor(config, sidecar.app.pools, tmp_path)
 
     async def start() -> None:
-        supervisor.start(first)
+        supervisor.start(first, "r3")
 
     loop_thread.run(start())
     wait_for(lambda: all(r["state"] == "serving" for r in supervisor.report()), timeout=30)
@@ -132,7 +132,7 @@ def test_a_policy_that_changes_k_restarts_the_draft_engine_while_the_plain_engin
     worker.start()
     try:
         time.sleep(0.3)
-        loop_thread.run(supervisor.apply(policy(2)), timeout=60)
+        loop_thread.run(supervisor.apply(policy(2), "r2"), timeout=60)
         time.sleep(0.3)
     finally:
         stop.set()
@@ -149,8 +149,11 @@ def test_a_policy_that_changes_k_restarts_the_draft_engine_while_the_plain_engin
     assert (after["state"], after["restarts"], after["failed_restarts"]) == ("serving", 1, 0)
     assert after["config_hash"] != before["config_hash"]
     assert after["pid"] != before["pid"]
-    # the plain engine's arguments did not change: it was left alone
-    assert supervisor.engines["base"].report()["restarts"] == 0
+    # what the heartbeat tells the control plane: the engine runs the new revision's arguments
+    assert (before["revision"], after["revision"]) == ("r3", "r2")
+    # the plain engine's arguments did not change: it was left alone, and they are the new revision's too
+    base = supervisor.engines["base"].report()
+    assert (base["restarts"], base["revision"]) == (0, "r2")
 
 
 def test_in_flight_requests_finish_before_the_restart(supervised: Any, loop_thread: LoopThread) -> None:
@@ -168,9 +171,12 @@ def test_in_flight_requests_finish_before_the_restart(supervised: Any, loop_thre
 def test_new_arguments_that_do_not_come_up_go_back_to_the_old_ones_and_say_why(
         supervised: Any, loop_thread: LoopThread) -> None:
     sidecar, supervisor, config, _ = supervised
-    loop_thread.run(supervisor.apply(policy(3, model="models/missing-draft")), timeout=60)
+    loop_thread.run(supervisor.apply(policy(3, model="models/missing-draft"), "r-bad"), timeout=60)
     report = supervisor.engines["draft"].report()
     assert (report["state"], report["restarts"], report["failed_restarts"]) == ("serving", 0, 1)
+    # back on r3's arguments, and it says so: the worker has not converged on r-bad
+    assert report["revision"] == "r3"
+    assert supervisor.engines["base"].report()["revision"] == "r-bad"
     assert "the new arguments did not come up: it exited with 1" in report["last_error"]
     assert "back on the previous ones" in report["last_error"]
     assert "draft model 'models/missing-draft' not found" in (Path(config.log_dir or "") / "draft.log").read_text()
@@ -258,6 +264,7 @@ def test_a_new_bundle_in_the_store_restarts_the_engine_it_changes(supervised: An
     sidecar.store.update(bundle(policy(2)))
     wait_for(lambda: supervisor.engines["draft"].report()["restarts"] == 1, timeout=30)
     assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 2
+    assert supervisor.engines["draft"].report()["revision"] == sidecar.store.current.active.revision
 
 
 def test_a_policy_applied_while_the_engines_start_waits_for_them(tmp_path: Path, loop_thread: LoopThread,
@@ -312,6 +319,20 @@ def test_arguments_that_failed_are_not_tried_again_for_every_bundle(supervised: 
     loop_thread.run(supervisor.apply(bad), timeout=60)  # e.g. a canary step or the kill switch: a new bundle
     report = supervisor.engines["draft"].report()
     assert (report["failed_restarts"], report["state"]) == (1, "serving")
+
+
+def test_a_long_error_is_cut_to_what_the_heartbeat_may_carry() -> None:
+    from controlplane.worker.schemas import SupervisedEngineReport
+    from sidecar.supervisor import MAX_REPORTED_ERROR, EngineState
+    from sidecar.sync import SUPERVISED_REPORT_FIELDS
+
+    state = EngineState("draft", "http://127.0.0.1:1", argv=["vllm", "serve"], state="failed",
+                        last_error="x" * 5000)
+    report = state.report()
+    assert len(report["last_error"]) == MAX_REPORTED_ERROR
+    assert report["last_error"].endswith("...")
+    # what the sidecar sends is what the control plane takes
+    SupervisedEngineReport.model_validate({k: v for k, v in report.items() if k in SUPERVISED_REPORT_FIELDS})
 
 
 def test_the_first_policy_does_not_restart_a_plain_engine(tmp_path: Path) -> None:

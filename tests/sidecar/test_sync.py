@@ -365,6 +365,47 @@ def test_a_bundle_signed_by_another_key_is_rejected_and_the_previous_one_stays(c
     run(scenario())
 
 
+def test_heartbeats_carry_the_supervised_engines_and_convergence_waits_for_them(
+        control_plane: ControlPlane, tmp_path: Path) -> None:
+    cp = control_plane
+    cp.start()
+
+    async def scenario() -> None:
+        store = PolicyStore()
+        sync = PolicySync(settings_for(cp, tmp_path / "state"), store)
+        reports: list[dict[str, Any]] = []
+        sync.supervised = lambda: reports
+        await sync.start()
+        try:
+            await until(lambda: store.current is not None)
+            assert store.current is not None
+            revision = store.current.active.revision
+            # what EngineSupervisor.report() returns: the pid stays on the worker
+            reports[:] = [{"engine": "draft", "state": "restarting", "config_hash": "00aa", "revision": "before",
+                           "pid": 4242, "restarts": 0, "failed_restarts": 0, "crashes": 0, "last_error": None}]
+            sync.report_soon()
+
+            async def reported(state: str, converged: bool) -> bool:
+                worker = await cp.worker()
+                engines = [] if worker is None else worker["supervised_engines"]
+                return bool(engines) and engines[0]["state"] == state and worker is not None and \
+                    worker["converged"] is converged
+
+            await until_async(lambda: reported("restarting", False), timeout=5)
+            worker = await cp.worker()
+            assert worker is not None
+            assert worker["active_etag"] == store.current.etag  # the bundle is there; its engine is not yet
+            assert worker["engines_converged"] is False
+            assert "pid" not in worker["supervised_engines"][0]
+            reports[0] = {**reports[0], "state": "serving", "revision": revision, "restarts": 1}
+            sync.report_soon()
+            await until_async(lambda: reported("serving", True), timeout=5)
+        finally:
+            await sync.stop()
+
+    run(scenario())
+
+
 def test_a_worker_the_control_plane_forgot_registers_again(control_plane: ControlPlane, tmp_path: Path) -> None:
     cp = control_plane
     cp.start()

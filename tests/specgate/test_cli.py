@@ -367,6 +367,27 @@ def test_workers_shows_gateways_and_their_replicas(run: Run, live: str, settings
     assert "10.0.0.5" not in every  # replicas only when asked for
 
 
+def test_workers_shows_supervised_engines_and_who_waits_for_them(run: Run, live: str,
+                                                                   settings: ControlPlaneSettings,
+                                                                   make_key: Callable[[Scope, str], str]) -> None:
+    _, (revision,) = seed_policy(settings.database_url)
+    worker = bearer(make_key(Scope.worker, "pool-a"))
+    with httpx.Client(base_url=live, headers=worker, timeout=10) as client:
+        expected = client.post("/v1/workers/register", json={"id": "sup-1", "pool": "a"}).json()["expected_etag"]
+        engine = {"engine": "draft", "state": "serving", "config_hash": "00ff", "revision": "r-previous",
+                  "restarts": 2, "failed_restarts": 1, "crashes": 0, "last_error": "it exited with 1"}
+        r = client.post("/v1/workers/sup-1/heartbeat", json={"active_revision": revision, "active_etag": expected,
+                                                             "supervised_engines": [engine]})
+        assert r.status_code == 200, r.text
+    out = run("workers", "--engines").stdout.splitlines()
+    [row] = [line for line in out if line.startswith("sup-1")]
+    assert row.endswith("engines restarting")
+    [draft] = [line for line in out if line.strip().startswith("draft")]
+    assert "runs r-previous" in draft
+    assert "restarts 2, failed 1, crashes 0; last error: it exited with 1" in draft
+    assert "r-previous" not in run("workers").stdout  # engines only when asked for
+
+
 def test_workers_follows_every_page(run: Run, settings: ControlPlaneSettings) -> None:
     ids = [f"w{i:03d}" for i in range(150)]  # the API pages by 100
     with session_for(settings.database_url) as session:
