@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,9 @@ from wire.telemetry import TelemetryEvent
 log = logging.getLogger("specgate.sidecar")
 
 AppFactory = Callable[..., Any]
+# How long a supervising sidecar without a last-known-good bundle waits for the control plane's first one
+# before it starts its engines.
+FIRST_POLICY_WAIT_S = 15.0
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})  # noqa: S104 - names, not a bind
 
 
@@ -88,6 +92,14 @@ class Sidecar:
             if metrics is not None:
                 metrics.supervisor = self.supervisor
 
+    async def _first_policy(self, timeout_s: float) -> None:
+        """Without a last-known-good bundle, waits a little for the control plane's: engines started without
+        the policy would restart as soon as it arrives, and an engine start costs a minute or more. Not
+        past the first failed sync (a control plane that is down): the engines then start plain."""
+        deadline = time.monotonic() + timeout_s
+        while self.store.current is None and self.sync.last_error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     def _in_flight(self) -> int:
         inflight = getattr(self.app, "inflight", None)
         return int(getattr(inflight, "count", 0) or 0)
@@ -97,6 +109,7 @@ class Sidecar:
         await self.exporter.start()
         if self.supervisor is not None:
             # the last-known-good bundle (if any) is loaded: the engines start with its arguments, then follow
+            await self._first_policy(FIRST_POLICY_WAIT_S)
             bundle = self.store.current
             self.supervisor.start(bundle.active.document if bundle is not None else None,
                                   bundle.active.revision if bundle is not None else None)

@@ -444,12 +444,13 @@ def _read_headers(answer: Answer, resp: httpx.Response) -> None:
 
 
 class Load:
-    """Closed-loop load: ``workers`` threads, each sending ``next_ask(i)`` and waiting for the whole answer,
-    until ``stop()`` (or ``per_worker`` requests each)."""
+    """Closed-loop load: ``workers`` threads, each sending ``next_ask(i)`` and waiting for the whole answer
+    (then ``pause_s``), until ``stop()`` (or ``per_worker`` requests each)."""
 
     def __init__(self, url: str, workers: int, next_ask: Callable[[int], Ask], *, per_worker: int | None = None,
-                 tag: str = "load") -> None:
+                 tag: str = "load", pause_s: float = 0.0) -> None:
         self.url = url
+        self.pause_s = pause_s
         self.next_ask = next_ask
         self.per_worker = per_worker
         self.tag = tag
@@ -471,6 +472,8 @@ class Load:
                 with self._lock:
                     self.answers.append(answer)
                 done += 1
+                if self.pause_s:
+                    self._stop.wait(self.pause_s)
 
     def __enter__(self) -> Load:
         for thread in self._threads:
