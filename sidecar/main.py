@@ -83,6 +83,8 @@ class Sidecar:
         if pools is not None:
             pools.on_change = self.sync.report_soon
         self.supervisor: EngineSupervisor | None = None
+        self.first_policy_wait_s = FIRST_POLICY_WAIT_S
+        self._engines_starting: asyncio.Task[None] | None = None
         if self.settings.supervise is not None:
             from sidecar.supervisor import EngineSupervisor, load_supervise_file
 
@@ -94,11 +96,23 @@ class Sidecar:
 
     async def _first_policy(self, timeout_s: float) -> None:
         """Without a last-known-good bundle, waits a little for the control plane's: engines started without
-        the policy would restart as soon as it arrives, and an engine start costs a minute or more. Not
-        past the first failed sync (a control plane that is down): the engines then start plain."""
+        the policy would restart as soon as it arrives, and an engine start costs a minute or more. Not past
+        an answer without a bundle (no policy for this worker, a refused key): the engines then start plain.
+        A control plane that does not answer yet (still starting beside the worker) is waited for until
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while self.store.current is None and self.sync.last_error is None and time.monotonic() < deadline:
+        while self.store.current is None and time.monotonic() < deadline:
+            if self.sync.last_error is not None and self.sync.connected:
+                return
             await asyncio.sleep(0.05)
+
+    async def _start_engines(self) -> None:
+        assert self.supervisor is not None
+        await self._first_policy(self.first_policy_wait_s)
+        bundle = self.store.current
+        self.supervisor.start(bundle.active.document if bundle is not None else None,
+                              bundle.active.revision if bundle is not None else None)
+        self.supervisor.watch(lambda: self.store.current)
 
     def _in_flight(self) -> int:
         inflight = getattr(self.app, "inflight", None)
@@ -108,12 +122,11 @@ class Sidecar:
         await self.sync.start()
         await self.exporter.start()
         if self.supervisor is not None:
-            # the last-known-good bundle (if any) is loaded: the engines start with its arguments, then follow
-            await self._first_policy(FIRST_POLICY_WAIT_S)
-            bundle = self.store.current
-            self.supervisor.start(bundle.active.document if bundle is not None else None,
-                                  bundle.active.revision if bundle is not None else None)
-            self.supervisor.watch(lambda: self.store.current)
+            # Held from now (requests go to the fallback engine, or get 503), started in the background: the
+            # sidecar serves /healthz and handles signals meanwhile. With a last-known-good bundle the engines
+            # start with its arguments at once, then follow the policy.
+            self.supervisor.hold_all()
+            self._engines_starting = asyncio.create_task(self._start_engines(), name="engines-start")
         current = self.store.current
         settings = self.settings
         engines = ", ".join(f"{name} ({len(urls)} replica{'s' if len(urls) != 1 else ''})"
@@ -124,6 +137,10 @@ class Sidecar:
                  f"{current.etag[:12]} ({self.sync.source})" if current else "not loaded yet")
 
     async def stop(self, flush_timeout_s: float = 5.0) -> None:
+        if self._engines_starting is not None and not self._engines_starting.done():
+            self._engines_starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engines_starting
         await self.sync.stop()
         await self.exporter.stop(flush=True, timeout=flush_timeout_s)
         if self.supervisor is not None:

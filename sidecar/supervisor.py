@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -49,6 +50,7 @@ PLAIN_ARGS = "--enable-per-request-metrics"  # policies.render.vllm_serve_args o
 # Arguments that did not come up are not tried again for this long, whatever bundles arrive meanwhile.
 RETRY_REFUSED_AFTER_S = 600.0
 MAX_REPORTED_ERROR = 2048
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 # libc's prctl, looked up here: the child between fork and exec must not load libraries.
 try:
     _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
@@ -215,7 +217,7 @@ class EngineState:
     name: str
     url: str
     argv: list[str] = field(default_factory=list)
-    state: str = "stopped"  # starting, serving, draining, restarting, failed, stopped
+    state: str = "stopped"  # starting, serving, draining, restarting, failed, stopped (also: not started yet)
     # the policy revision whose arguments ``argv`` are (None: no policy's); what the control plane compares
     # with the revision the worker runs to tell whether its engines caught up
     revision: str | None = None
@@ -224,14 +226,18 @@ class EngineState:
     failed_restarts: int = 0
     crashes: int = 0
     last_error: str | None = None
+    # why the latest policy was not applied at all (it cannot be rendered here); reported before last_error
+    policy_error: str | None = None
     # config hash -> when arguments with it last failed to come up: not tried again before RETRY_REFUSED_AFTER_S
     refused: dict[str, float] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
         """What /metrics and the heartbeat carry (controlplane.worker.schemas.SupervisedEngineReport)."""
-        error = self.last_error
-        if error is not None and len(error) > MAX_REPORTED_ERROR:  # the control plane's bound
-            error = error[:MAX_REPORTED_ERROR - 3] + "..."
+        error = self.policy_error or self.last_error
+        if error is not None:  # what the control plane takes: no control characters but newlines and tabs
+            error = _CONTROL.sub("?", error)
+            if len(error) > MAX_REPORTED_ERROR:
+                error = error[:MAX_REPORTED_ERROR - 3] + "..."
         return {"engine": self.name, "state": self.state, "config_hash": config_hash(self.argv) if self.argv else None,
                 "revision": self.revision, "pid": self.process.pid if self.process is not None else None,
                 "restarts": self.restarts, "failed_restarts": self.failed_restarts, "crashes": self.crashes,
@@ -255,6 +261,11 @@ class EngineSupervisor:
 
     # --- what the sidecar calls --------------------------------------------------------------------
 
+    def hold_all(self) -> None:
+        """Every engine out of routing until it serves (the sidecar serves before the engines are started)."""
+        for state in self.engines.values():
+            self.pools.hold(state.url)
+
     def start(self, doc: PolicyDocument | None, revision: str | None = None) -> None:
         """Starts every engine for ``doc`` (of ``revision``) and returns; each is routed to once its /health
         answers. A policy applied meanwhile waits until every engine is up or failed (the same lock)."""
@@ -271,8 +282,20 @@ class EngineSupervisor:
 
     async def apply(self, doc: PolicyDocument | None, revision: str | None = None) -> None:
         """Restarts, one at a time, every engine whose arguments ``doc`` (of ``revision``) changes (or that is
-        down). Every engine's arguments are rendered first: a policy that cannot be rendered changes nothing."""
-        wanted = {name: engine_argv(self.config, name, doc) for name in self.engines}
+        down). Every engine's arguments are rendered first: a policy that cannot be rendered changes nothing,
+        and each engine says why it stays on its revision (``last_error``, reported at once)."""
+        try:
+            wanted = {name: engine_argv(self.config, name, doc) for name in self.engines}
+        except RenderError as exc:
+            for state in self.engines.values():
+                state.policy_error = (f"revision {revision} cannot be rendered for this worker: {exc}; "
+                                      "the engines keep their arguments")
+            self._changed()
+            raise
+        if any(state.policy_error for state in self.engines.values()):
+            for state in self.engines.values():
+                state.policy_error = None
+            self._changed()
         async with self._lock:
             for state in self.engines.values():
                 argv = wanted[state.name]
@@ -319,6 +342,7 @@ class EngineSupervisor:
             return False
         state.argv, state.revision, state.process, state.state = argv, revision, process, "starting"
         log.info("engine %s starting (pid %s, config %s)", state.name, process.pid, config_hash(argv))
+        self._changed()
         return True
 
     def _changed(self) -> None:
@@ -412,6 +436,7 @@ class EngineSupervisor:
                  config_hash(argv))
         await self._drain(state)
         state.state = "restarting"
+        self._changed()
         if state.process is not None:
             await state.process.stop(self.config.stop_timeout_s)
         error = await self._healthy(state) if self._launch(state, argv, revision) else state.last_error
@@ -433,6 +458,7 @@ class EngineSupervisor:
         if back is None:
             state.state = "serving"
             self.pools.release(state.url)
+            log.info("engine %s serving again with its previous config %s", state.name, config_hash(old))
         else:
             state.state = "failed"
             state.last_error += f"; the previous arguments did not come up either: {back}"

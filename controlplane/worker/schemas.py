@@ -32,7 +32,8 @@ MAX_REPLICAS = 256
 SupervisedState = Literal["starting", "serving", "draining", "restarting", "failed", "stopped"]
 MAX_SUPERVISED = 64
 ConfigHash = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
-ErrorText = Annotated[str, StringConstraints(max_length=2048, pattern=NO_NUL)]
+# Shown in terminals (specgate workers --engines) and tables: no control characters but newline and tab.
+ErrorText = Annotated[str, StringConstraints(max_length=2048, pattern=r"^[^\x00-\x08\x0b-\x1f\x7f]*$")]
 # Replica reports are stored as JSON and summed for the fleet: the same bounds as telemetry's counters
 # (32-bit integers, finite floats up to 1e12), so no report can overflow a reader. Strict: JSON false is
 # not a count, nor "3" a gauge.
@@ -81,7 +82,7 @@ class SupervisedEngineReport(BaseModel):
     engine: EngineName
     state: SupervisedState = Field(description="serving: routed to; starting, draining, restarting: held out of "
                                                "routing; failed: down (neither new nor previous arguments came "
-                                               "up); stopped: the sidecar is stopping")
+                                               "up); stopped: not started yet, or the sidecar is stopping")
     config_hash: ConfigHash | None = Field(None, description="a hash of the engine's whole command line; null "
                                                              "before it was first started")
     revision: Short | None = Field(None, description="the policy revision whose arguments the engine runs; null: "
@@ -90,8 +91,9 @@ class SupervisedEngineReport(BaseModel):
     failed_restarts: Count = Field(0, description="restarts whose new arguments did not come up (the engine went "
                                                   "back to its previous ones)")
     crashes: Count = Field(0, description="times its process ended while it served (started again)")
-    last_error: ErrorText | None = Field(None, description="why the last start or restart failed; null once it "
-                                                           "serves with new arguments")
+    last_error: ErrorText | None = Field(None, description="why the last start or restart failed, or why the "
+                                                           "latest policy was not applied; null once it serves "
+                                                           "with new arguments")
 
 
 class WorkerHeartbeat(BaseModel):

@@ -88,6 +88,9 @@ def register(session: Session, body: WorkerRegister, *, who: Principal) -> Regis
 
     before = _registered(worker)
     worker.sidecar_version = body.sidecar_version
+    # A registration is a sidecar (re)starting: what an earlier process said of the engines it supervised
+    # is not about this one, which reports its own (or none: it would otherwise hold convergence forever).
+    worker.supervised_engines, worker.supervised_reported_at = None, None
     # Registering is contact too: a worker that just re-registered is not stale.
     worker.last_heartbeat_at = now
     generation = None
@@ -136,9 +139,10 @@ _FAILURES = (("failed_restarts", "worker.engine_restart_failed"), ("crashes", "w
 
 def _audit_engine_failures(session: Session, who: Principal, worker: Worker, before: list[dict[str, Any]],
                            after: list[dict[str, Any]]) -> None:
-    """One audit event per failure a heartbeat reports for the first time: a restart whose new arguments did
-    not come up, a crash, an engine that went down. A restarted sidecar counts from 0 again, so a count that
-    changed (up, or down and above 0) is news; the same report sent again is not."""
+    """An audit event when a heartbeat reports failures for the first time: restarts whose new arguments did
+    not come up, crashes (one event per counter that changed, however many failures it added), an engine
+    that went down. A restarted sidecar counts from 0 again, so a count that changed (up, or down and above
+    0) is news; the same report sent again is not."""
     previous = {item.get("engine"): item for item in before if isinstance(item, dict)}
     for report in after:
         old = previous.get(report["engine"], {})

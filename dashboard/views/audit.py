@@ -12,7 +12,9 @@ from dashboard import ui
 
 ACTIONS = ["", "policy.create", "revision.create", "rollout.start", "rollout.promote", "rollout.pause",
            "rollout.resume", "rollout.abort", "rollout.rollback", "rollout.auto_rollback", "policy.rollback",
-           "killswitch.on", "killswitch.off", "worker.register", "key.create", "key.revoke"]
+           "killswitch.on", "killswitch.off", "worker.register", "worker.engine_restart_failed",
+           "worker.engine_crashed", "worker.engine_down", "key.create", "key.bind", "key.revoke",
+           "recommendation.apply"]
 
 
 def render() -> None:

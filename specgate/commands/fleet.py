@@ -64,9 +64,10 @@ def workers(pool: Annotated[str | None, typer.Option()] = None,
         return
     typer.echo(f"converged: {fleet.data.overall.converged}")
     for w in items:
-        mark = "stale" if w.stale else ("ok" if w.converged else (
-            "engines restarting" if w.engines_converged is False and w.active_etag == w.expected_etag
-            else "converging"))
+        mark = "stale" if w.stale else ("ok" if w.converged else "converging")
+        if mark == "converging" and w.engines_converged is False and w.active_etag == w.expected_etag:
+            moving = any(e.state in ("starting", "draining", "restarting") for e in w.supervised_engines)
+            mark = "engines restarting" if moving else "engines behind"
         typer.echo(f"{w.id:<32} {w.kind:<8} pool={w.pool:<16} etag={str(w.active_etag)[:12]:<12} "
                    f"expected={str(w.expected_etag)[:12]:<12} {mark}")
         if replicas:
@@ -79,6 +80,6 @@ def workers(pool: Annotated[str | None, typer.Option()] = None,
         if engines:
             for e in w.supervised_engines:
                 error = f"; last error: {e.last_error}" if e.last_error else ""
-                typer.echo(f"    {e.engine:<12} {e.state:<10} runs {str(e.revision)[:12]:<12} config "
+                typer.echo(f"    {e.engine:<12} {e.state:<10} runs {(e.revision or '-')[:12]:<12} config "
                            f"{e.config_hash or '-'}, restarts {e.restarts}, failed {e.failed_restarts}, crashes "
                            f"{e.crashes}{error}")

@@ -136,6 +136,7 @@ def test_a_failed_restart_a_crash_and_an_engine_down_are_audited_once_each(
     ({"crashes": "2"}, "supervised_engines[0].crashes"),
     ({"last_error": "x" * 2049}, "supervised_engines[0].last_error"),
     ({"last_error": "nul\x00"}, "supervised_engines[0].last_error"),
+    ({"last_error": "\x1b[2J"}, "supervised_engines[0].last_error"),
     ({"pid": 4242}, "supervised_engines[0].pid"),
 ])
 def test_a_bad_engine_report_is_a_problem_naming_its_field(
@@ -150,6 +151,24 @@ def test_a_bad_engine_report_is_a_problem_naming_its_field(
     assert [e["path"] for e in r.json()["errors"]] == [path], r.json()
     # Refused whole: the last good report stands.
     assert [e["engine"] for e in listed(client, admin)["supervised_engines"]] == ["base"]
+
+
+def test_a_sidecar_that_registers_again_starts_without_the_last_ones_engines(
+        client: TestClient, admin: dict[str, str], worker_key: dict[str, str], running: tuple[str, str]) -> None:
+    revision, etag = running
+    beat(client, worker_key, {"active_revision": revision, "active_etag": etag,
+                              "supervised_engines": [engine("draft", "r-old", state="restarting")]})
+    assert listed(client, admin)["converged"] is False
+    # the sidecar restarted without --supervise: a report it will never send again must not hold convergence
+    register(client, worker_key, "w1")
+    ack = beat(client, worker_key, {"active_revision": revision, "active_etag": etag})
+    assert ack["converged"] is True
+    worker = listed(client, admin)
+    assert (worker["supervised_engines"], worker["supervised_reported_at"], worker["engines_converged"]) == (
+        [], None, None)
+    # newlines and tabs are text an engine's error may hold
+    beat(client, worker_key, {"supervised_engines": [engine("draft", revision, last_error="a\n\tb")]})
+    assert listed(client, admin)["supervised_engines"][0]["last_error"] == "a\n\tb"
 
 
 def test_each_engine_once_and_at_most_64(client: TestClient, worker_key: dict[str, str]) -> None:

@@ -171,7 +171,8 @@ def test_overview_shows_supervised_engines_and_a_worker_whose_engine_did_not_res
     no_exception(at)
     workers = _table(at, "worker")
     states = dict(zip(workers["worker"], workers["state"], strict=True))
-    assert states["fleet-sup-1"] == "engines restarting"
+    # the draft engine serves the previous revision's arguments (its restart failed): not on its way
+    assert states["fleet-sup-1"] == "engines behind"
     rows = _table(at, "runs arguments of").to_dict("records")
     assert [(r["worker"], r["engine"], r["state"], r["runs arguments of"], r["failed restarts"]) for r in rows] == [
         ("fleet-sup-1", "base", "serving", active[:12], 0), ("fleet-sup-1", "draft", "serving", "r-previous", 1)]

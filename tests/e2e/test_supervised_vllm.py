@@ -125,18 +125,20 @@ def test_supervised_vllm_engines_follow_the_policy_and_a_refused_revision_leaves
         # the sidecar waited for the first bundle: the draft engine started once, on the policy's arguments
         assert (tmp_path / "engine-logs" / "draft.log").read_text(errors="replace").count(" start draft: ") == 1
 
-        # One request at a time, with a pause: vLLM's CPU build puts a starting engine's other processes on the
-        # cores the plain engine is bound to, and with those cores saturated this kernel took minutes to move
-        # them there (a restart stalled 4 minutes in sched_setaffinity under two closed-loop clients).
+        # One request at a time, 1.5 s apart. A starting vLLM server imports torch, whose MKL counts cores by
+        # moving the process onto each allowed core in turn; the plain engine's worker, pinned to core 0,
+        # busy-polls for 1 s after each request it serves, and a process moved onto core 0 meanwhile was not
+        # scheduled there for minutes (a restart sat in sched_setaffinity until the test gave up). With pauses
+        # longer than that busy second, core 0 goes idle between requests and the new server gets its turn.
         with Load(sidecar.url, 1, lambda i: Ask("chat" if i % 2 else "classify", i, max_tokens=6),
-                  tag="supervised", pause_s=0.1) as load:
-            load.wait_for(4)
+                  tag="supervised", pause_s=1.5) as load:
+            load.wait_for(2)
             rolled = api(cp, "POST", "/v1/policies/supervised/rollback",
                          json={"revision": k2, "reason": "e2e: K 3 -> 2"})
             assert rolled.status_code == 200, rolled.text
             wait_until(lambda: runs(k2), RESTART_TIMEOUT_S, "the draft engine restarted on K=2", interval=0.5)
             restarted = time.time()
-            load.wait_for_sent_after(restarted, 4)
+            load.wait_for_sent_after(restarted, 2)
 
             refused = api(cp, "POST", "/v1/policies/supervised/rollback",
                           json={"revision": missing, "reason": "e2e: a draft model this worker does not have"})

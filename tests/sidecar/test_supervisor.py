@@ -8,6 +8,7 @@ arguments do not come up goes back to the old ones, and engines end with the sid
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -321,16 +322,153 @@ def test_arguments_that_failed_are_not_tried_again_for_every_bundle(supervised: 
     assert (report["failed_restarts"], report["state"]) == (1, "serving")
 
 
+def test_a_policy_this_worker_cannot_render_is_reported_and_the_next_one_clears_it(
+        supervised: Any, loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sidecar.supervisor as supervisor_module
+    from policies.render import RenderError
+
+    _, supervisor, _, _ = supervised
+    changes: list[str] = []
+    supervisor.on_change = lambda: changes.append("changed")
+    real = supervisor_module.vllm_serve_args
+
+    def refuse(doc: Any, name: str, **kwargs: Any) -> list[str]:
+        if doc.engines[name].method != "none" and doc.engines[name].num_speculative_tokens == 5:
+            raise RenderError("no such thing here")
+        return real(doc, name, **kwargs)
+
+    monkeypatch.setattr(supervisor_module, "vllm_serve_args", refuse)
+    with pytest.raises(RenderError):
+        loop_thread.run(supervisor.apply(policy(5), "r5"), timeout=60)
+    report = supervisor.engines["draft"].report()
+    assert (report["revision"], report["restarts"], report["state"]) == ("r3", 0, "serving")
+    assert report["last_error"] == ("revision r5 cannot be rendered for this worker: no such thing here; "
+                                    "the engines keep their arguments")
+    assert changes  # reported at once
+    loop_thread.run(supervisor.apply(policy(2), "r2"), timeout=60)
+    report = supervisor.engines["draft"].report()
+    assert (report["revision"], report["restarts"], report["last_error"]) == ("r2", 1, None)
+
+
+def _supervising_sidecar(tmp_path: Path, control_plane: str, token: str, worker_id: str) -> Any:
+    from sidecar.main import Sidecar
+    from sidecar.settings import SidecarSettings
+
+    return Sidecar(SidecarSettings(control_plane=control_plane, key=token, worker_id=worker_id, pool="default",
+                                   supervise=supervise_file(tmp_path), state_dir=tmp_path / "state",
+                                   heartbeat_s=0.2), use_env_otel=False)
+
+
+def test_a_supervising_sidecar_starts_its_engines_once_on_the_control_planes_policy(tmp_path: Path) -> None:
+    from controlplane.migrations_state import upgrade
+    from tests.support.factories import seed_policy
+    from tests.support.live import WORKER_ID, ControlPlane
+
+    database_url = f"sqlite:///{tmp_path / 'cp.db'}"
+    upgrade(database_url)
+    _, (revision,) = seed_policy(database_url, POLICY % {"k": 3}, name="supervised")
+    cp = ControlPlane(database_url)
+    cp.start()
+    sidecar = _supervising_sidecar(tmp_path, cp.base, cp.worker_token, WORKER_ID)
+
+    async def scenario() -> None:
+        await asyncio.wait_for(sidecar.start(), 5)  # the engines start in the background
+        assert sidecar.supervisor is not None
+        try:
+            deadline = time.monotonic() + 60
+            while not all(r["state"] == "serving" for r in sidecar.supervisor.report()):
+                assert time.monotonic() < deadline, sidecar.supervisor.report()
+                await asyncio.sleep(0.1)
+            draft = sidecar.supervisor.engines["draft"]
+            assert draft.revision == revision
+            assert '"num_speculative_tokens":3' in " ".join(draft.argv)
+            log_text = (tmp_path / "logs" / "draft.log").read_text()
+            assert log_text.count(" start draft: ") == 1  # not started plain, then restarted
+            deadline = time.monotonic() + 10
+            while not (await cp.worker() or {}).get("converged"):
+                assert time.monotonic() < deadline, await cp.worker()
+                await asyncio.sleep(0.1)
+            worker = await cp.worker()
+            assert worker is not None
+            assert [e["revision"] for e in worker["supervised_engines"]] == [revision, revision]
+        finally:
+            await sidecar.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cp.stop()
+
+
+def test_without_a_control_plane_the_engines_wait_held_then_start_plain(tmp_path: Path) -> None:
+    sidecar = _supervising_sidecar(tmp_path, f"http://127.0.0.1:{closed_port()}", "sgk_x", "w-alone")
+    sidecar.first_policy_wait_s = 1.0
+
+    async def scenario() -> None:
+        started = time.monotonic()
+        await asyncio.wait_for(sidecar.start(), 5)
+        assert sidecar.supervisor is not None
+        try:
+            # held from the start: nothing is routed to an engine that is not running
+            assert {r["state"] for r in sidecar.app.pools.report()} == {"held"}
+            # a control plane that does not answer may be starting beside the worker: waited for
+            await asyncio.sleep(0.5)
+            assert {r["state"] for r in sidecar.supervisor.report()} == {"stopped"}
+            deadline = time.monotonic() + 60
+            while not all(r["state"] == "serving" for r in sidecar.supervisor.report()):
+                assert time.monotonic() < deadline, sidecar.supervisor.report()
+                await asyncio.sleep(0.1)
+            assert time.monotonic() - started >= 1.0
+            draft = sidecar.supervisor.engines["draft"]
+            assert draft.revision is None
+            assert "--speculative-config" not in draft.argv
+        finally:
+            await sidecar.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_control_plane_that_answers_without_a_bundle_ends_the_wait(tmp_path: Path) -> None:
+    from controlplane.migrations_state import upgrade
+    from tests.support.live import WORKER_ID, ControlPlane
+
+    database_url = f"sqlite:///{tmp_path / 'cp.db'}"
+    upgrade(database_url)  # no policy: the control plane has no bundle for this worker
+    cp = ControlPlane(database_url)
+    cp.start()
+    sidecar = _supervising_sidecar(tmp_path, cp.base, cp.worker_token, WORKER_ID)
+    sidecar.first_policy_wait_s = 120.0
+
+    async def scenario() -> None:
+        await sidecar.start()
+        assert sidecar.supervisor is not None
+        try:
+            deadline = time.monotonic() + 60
+            while not all(r["state"] == "serving" for r in sidecar.supervisor.report()):
+                assert time.monotonic() < deadline, (sidecar.supervisor.report(), sidecar.sync.last_error)
+                await asyncio.sleep(0.1)
+            assert sidecar.sync.connected
+        finally:
+            await sidecar.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cp.stop()
+
+
 def test_a_long_error_is_cut_to_what_the_heartbeat_may_carry() -> None:
     from controlplane.worker.schemas import SupervisedEngineReport
     from sidecar.supervisor import MAX_REPORTED_ERROR, EngineState
     from sidecar.sync import SUPERVISED_REPORT_FIELDS
 
     state = EngineState("draft", "http://127.0.0.1:1", argv=["vllm", "serve"], state="failed",
-                        last_error="x" * 5000)
+                        last_error="\x1b[31mred\x1b[0m\tline\n" + "x" * 5000)
     report = state.report()
     assert len(report["last_error"]) == MAX_REPORTED_ERROR
     assert report["last_error"].endswith("...")
+    # terminal escapes are not passed on (they would reach `specgate workers --engines`), newlines and tabs are
+    assert report["last_error"].startswith("?[31mred?[0m\tline\n")
     # what the sidecar sends is what the control plane takes
     SupervisedEngineReport.model_validate({k: v for k, v in report.items() if k in SUPERVISED_REPORT_FIELDS})
 

@@ -381,11 +381,20 @@ def test_workers_shows_supervised_engines_and_who_waits_for_them(run: Run, live:
         assert r.status_code == 200, r.text
     out = run("workers", "--engines").stdout.splitlines()
     [row] = [line for line in out if line.startswith("sup-1")]
-    assert row.endswith("engines restarting")
+    assert row.endswith("engines behind")  # serving, but on the previous revision's arguments
     [draft] = [line for line in out if line.strip().startswith("draft")]
     assert "runs r-previous" in draft
     assert "restarts 2, failed 1, crashes 0; last error: it exited with 1" in draft
     assert "r-previous" not in run("workers").stdout  # engines only when asked for
+    with httpx.Client(base_url=live, headers=worker, timeout=10) as client:
+        r = client.post("/v1/workers/sup-1/heartbeat", json={"supervised_engines": [
+            {**engine, "state": "restarting", "revision": None, "last_error": None}]})
+        assert r.status_code == 200, r.text
+    out = run("workers", "--engines").stdout.splitlines()
+    [row] = [line for line in out if line.startswith("sup-1")]
+    assert row.endswith("engines restarting")
+    [draft] = [line for line in out if line.strip().startswith("draft")]
+    assert "runs -" in draft
 
 
 def test_workers_follows_every_page(run: Run, settings: ControlPlaneSettings) -> None:
