@@ -232,6 +232,15 @@ class Worker(Answer):
     supervised_engines: list[SupervisedEngine]
     supervised_reported_at: dt.datetime | None
 
+    def engines_lag(self) -> str | None:
+        """Why a worker that holds its bundle has not converged, if its supervised engines are why: "engines
+        restarting" (on their way to its arguments) or "engines behind" (stuck on the previous ones: a
+        restart that failed, a policy the worker cannot render); None otherwise."""
+        if self.engines_converged is not False or self.active_etag != self.expected_etag:
+            return None
+        moving = any(e.state in ("starting", "draining", "restarting") for e in self.supervised_engines)
+        return "engines restarting" if moving else "engines behind"
+
 
 class WorkerPage(Answer):
     items: list[Worker]

@@ -27,12 +27,7 @@ def _state(w: Worker) -> str:
         return "stale"
     if w.converged:
         return "converged"
-    if w.engines_converged is False and w.active_etag == w.expected_etag:
-        # the bundle is there, the engines it supervises are not on its arguments: on their way, or stuck on
-        # the previous ones (a restart that failed, a policy this worker cannot render)
-        moving = any(e.state in ("starting", "draining", "restarting") for e in w.supervised_engines)
-        return "engines restarting" if moving else "engines behind"
-    return "converging"
+    return w.engines_lag() or "converging"
 
 
 def _sidecars(items: list[Worker], name: str) -> pd.DataFrame:

@@ -64,10 +64,7 @@ def workers(pool: Annotated[str | None, typer.Option()] = None,
         return
     typer.echo(f"converged: {fleet.data.overall.converged}")
     for w in items:
-        mark = "stale" if w.stale else ("ok" if w.converged else "converging")
-        if mark == "converging" and w.engines_converged is False and w.active_etag == w.expected_etag:
-            moving = any(e.state in ("starting", "draining", "restarting") for e in w.supervised_engines)
-            mark = "engines restarting" if moving else "engines behind"
+        mark = "stale" if w.stale else ("ok" if w.converged else (w.engines_lag() or "converging"))
         typer.echo(f"{w.id:<32} {w.kind:<8} pool={w.pool:<16} etag={str(w.active_etag)[:12]:<12} "
                    f"expected={str(w.expected_etag)[:12]:<12} {mark}")
         if replicas:

@@ -359,6 +359,13 @@ def _supervising_sidecar(tmp_path: Path, control_plane: str, token: str, worker_
                                    heartbeat_s=0.2), use_env_otel=False)
 
 
+async def _all_serving(sidecar: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(r["state"] == "serving" for r in sidecar.supervisor.report()):
+        assert time.monotonic() < deadline, (sidecar.supervisor.report(), sidecar.sync.last_error)
+        await asyncio.sleep(0.1)
+
+
 def test_a_supervising_sidecar_starts_its_engines_once_on_the_control_planes_policy(tmp_path: Path) -> None:
     from controlplane.migrations_state import upgrade
     from tests.support.factories import seed_policy
@@ -375,10 +382,7 @@ def test_a_supervising_sidecar_starts_its_engines_once_on_the_control_planes_pol
         await asyncio.wait_for(sidecar.start(), 5)  # the engines start in the background
         assert sidecar.supervisor is not None
         try:
-            deadline = time.monotonic() + 60
-            while not all(r["state"] == "serving" for r in sidecar.supervisor.report()):
-                assert time.monotonic() < deadline, sidecar.supervisor.report()
-                await asyncio.sleep(0.1)
+            await _all_serving(sidecar)
             draft = sidecar.supervisor.engines["draft"]
             assert draft.revision == revision
             assert '"num_speculative_tokens":3' in " ".join(draft.argv)
@@ -414,10 +418,7 @@ def test_without_a_control_plane_the_engines_wait_held_then_start_plain(tmp_path
             # a control plane that does not answer may be starting beside the worker: waited for
             await asyncio.sleep(0.5)
             assert {r["state"] for r in sidecar.supervisor.report()} == {"stopped"}
-            deadline = time.monotonic() + 60
-            while not all(r["state"] == "serving" for r in sidecar.supervisor.report()):
-                assert time.monotonic() < deadline, sidecar.supervisor.report()
-                await asyncio.sleep(0.1)
+            await _all_serving(sidecar)
             assert time.monotonic() - started >= 1.0
             draft = sidecar.supervisor.engines["draft"]
             assert draft.revision is None
@@ -443,10 +444,7 @@ def test_a_control_plane_that_answers_without_a_bundle_ends_the_wait(tmp_path: P
         await sidecar.start()
         assert sidecar.supervisor is not None
         try:
-            deadline = time.monotonic() + 60
-            while not all(r["state"] == "serving" for r in sidecar.supervisor.report()):
-                assert time.monotonic() < deadline, (sidecar.supervisor.report(), sidecar.sync.last_error)
-                await asyncio.sleep(0.1)
+            await _all_serving(sidecar)
             assert sidecar.sync.connected
         finally:
             await sidecar.stop()
