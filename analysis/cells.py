@@ -175,6 +175,9 @@ class Cell:
     the rules chose who got what, so it may be confounded).
     ``engines`` holds the speculative cohort split by engine (method
     comparisons); ``k`` and ``method`` describe the speculative engine seen most.
+    ``k0`` holds the requests an in-engine-scheduled engine (``k0_engine``, the
+    one seen most) ran at K=0 throughout: in neither cohort, they are what the
+    K=0 tax compares with the plain cohort (:meth:`k0_tax`).
     """
 
     route: str
@@ -186,6 +189,8 @@ class Cell:
     method: str | None = None
     k: int | None = None
     engines: dict[str, Cohort] = field(default_factory=dict)
+    k0: Cohort = field(default_factory=Cohort)
+    k0_engine: str | None = None
 
     def speedup(self, metric: str, confidence: float) -> RatioEstimate | None:
         """plain / speculative latency (geometric means): above 1 means speculation is faster."""
@@ -194,11 +199,19 @@ class Cell:
             return None
         return welch_ratio(plain, spec, confidence)
 
+    def k0_tax(self, metric: str, confidence: float) -> RatioEstimate | None:
+        """K=0 / plain latency (geometric means): above 1 means the K=0 steps cost more than not speculating."""
+        k0, plain = self.k0.moments(metric), self.plain.moments(metric)
+        if k0 is None or plain is None:
+            return None
+        return welch_ratio(k0, plain, confidence)
+
     def to_dict(self) -> dict[str, Any]:
         return {"route": self.route, "batch_bucket": self.batch_bucket, "source": self.source,
                 "engine": self.engine, "method": self.method, "k": self.k,
                 "speculative": self.speculative.to_dict(), "plain": self.plain.to_dict(),
-                "engines": {name: c.to_dict() for name, c in sorted(self.engines.items())}}
+                "engines": {name: c.to_dict() for name, c in sorted(self.engines.items())},
+                "k0": self.k0.to_dict(), "k0_engine": self.k0_engine}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cell:
@@ -207,4 +220,5 @@ class Cell:
                    plain=Cohort.from_dict(data.get("plain", {})), source=str(data.get("source", "observational")),
                    engine=data.get("engine"), method=data.get("method"),
                    k=None if data.get("k") is None else int(data["k"]),
-                   engines={str(k): Cohort.from_dict(v) for k, v in (data.get("engines") or {}).items()})
+                   engines={str(k): Cohort.from_dict(v) for k, v in (data.get("engines") or {}).items()},
+                   k0=Cohort.from_dict(data.get("k0") or {}), k0_engine=data.get("k0_engine"))

@@ -18,7 +18,7 @@ from typing import Any
 from policies import PolicyDocument, validate_data
 
 Doc = dict[str, Any]
-EDIT_KINDS = ("set_batch_max", "exclude_route", "set_k", "set_engine_k", "set_engine", "plain_only")
+EDIT_KINDS = ("set_batch_max", "exclude_route", "set_k", "set_engine_k", "set_engine", "plain_only", "route_instead")
 
 
 def _speculative_engines(doc: Doc) -> set[str]:
@@ -163,6 +163,18 @@ def plain_only(doc: Doc) -> Doc:
     return out
 
 
+def route_instead(doc: Doc, engine: str) -> Doc:
+    """The engine stops scheduling in the engine: its rules' batch ranges route again (a request beyond them
+    goes on to the next rules and the default, typically the plain engine) and it drafts at its K."""
+    if engine not in doc["engines"]:
+        raise ValueError(f"engine {engine!r} is not defined")
+    if doc["engines"][engine].get("schedule") != "in_engine":
+        raise ValueError(f"engine {engine!r} does not schedule in the engine")
+    out = copy.deepcopy(doc)
+    del out["engines"][engine]["schedule"]
+    return out
+
+
 def apply_edit(doc: Doc, edit: dict[str, Any]) -> tuple[Doc, PolicyDocument]:
     """Apply ``{"kind": ..., "route": ..., <value>}`` and validate; raises ValueError or PolicyValidationError."""
     kind = edit["kind"]
@@ -179,6 +191,8 @@ def apply_edit(doc: Doc, edit: dict[str, Any]) -> tuple[Doc, PolicyDocument]:
         out = set_engine(doc, route, str(edit["engine"]))
     elif kind == "plain_only":
         out = plain_only(doc)
+    elif kind == "route_instead":
+        out = route_instead(doc, str(edit["engine"]))
     else:
         raise ValueError(f"unknown edit {kind!r}")
     return out, validate_data(out)

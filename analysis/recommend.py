@@ -44,6 +44,18 @@ What it proposes, per route:
 - ``quality_risk`` (a flag, nothing to apply): retries or structured-output
   failures are higher on the speculative path with confidence.
 
+Engines that schedule in the engine (``schedule: in_engine``): their requests
+that ran at K=0 throughout (the ``k0`` rollups) are in neither cohort; each
+row reports them as ``k0`` with the K=0 tax (their latency over the plain
+cohort's, which there is the holdout's explored plain requests). Where that
+tax is above 1 with confidence, the engine's K=0 steps cost more than not
+speculating, and the recommender proposes ``route_instead`` (edit
+``route_instead``: the engine drops ``schedule: in_engine``, so its rules
+route by batch again and the band goes to the plain engine) in place of every
+threshold edit on the routes it serves. Otherwise a threshold edit on such a
+route is a new schedule for the engine: its expected effect carries the
+schedule before and after (``[[lo, hi, K], ...]``, as rendered for vLLM).
+
 Client disconnects: a bucket where one cohort's clients went away markedly
 more often (:func:`analysis.cells.more_disconnects`) never says that cohort
 is the faster one: its verdict is ``confounded by disconnects`` instead of
@@ -63,6 +75,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
 
+from analysis import edits
 from analysis.buckets import BATCH_BUCKETS, batch_bucket_label
 from analysis.cells import Cell, Cohort, more_disconnects
 from analysis.stats import (
@@ -73,8 +86,9 @@ from analysis.stats import (
     welch_ratio,
 )
 from analysis.switchback import EXPLORED_BETTER, MEASURES, SwitchbackResult
-from policies import PolicyDocument, RequestShape, compile_policy, validate_data
+from policies import PolicyDocument, PolicyValidationError, RequestShape, compile_policy, validate_data
 from policies.model import Engine, PlainEngine, engine_k
+from policies.render import batch_size_schedule
 
 INSUFFICIENT = "insufficient evidence"
 CONFOUNDED = "confounded by disconnects"
@@ -93,6 +107,7 @@ class RecommendConfig:
 
 MEASURE_LABELS = {"e2e": "end-to-end latency", "itl": "inter-token latency", "ttft": "time to first token"}
 WIDENING = frozenset({"raise_threshold", "change_k", "switch_method"})
+THRESHOLD_KINDS = frozenset({"raise_threshold", "lower_threshold"})
 
 
 @dataclass(slots=True)
@@ -178,6 +193,29 @@ def theory(cell: Cell, cfg: RecommendConfig) -> dict[str, Any] | None:
             "speedup": round(leviathan_speedup(a, cell.k, c), 4)}
 
 
+def k0_measure(cell: Cell, cfg: RecommendConfig) -> str | None:
+    """The first of ``cfg.measures`` with ``min_samples`` K=0 and plain requests; None: not measured."""
+    for metric in cfg.measures:
+        k0, plain = cell.k0.moments(metric), cell.plain.moments(metric)
+        if k0 is not None and plain is not None and k0.n >= cfg.min_samples and plain.n >= cfg.min_samples:
+            return metric
+    return None
+
+
+def k0_report(cell: Cell, cfg: RecommendConfig) -> dict[str, Any] | None:
+    """The cell's requests that an in-engine-scheduled engine ran at K=0, and their tax over the plain cohort
+    (None without such requests; ``tax`` None below min_samples)."""
+    if not cell.k0.requests:
+        return None
+    measure = k0_measure(cell, cfg)
+    tax = cell.k0_tax(measure, cfg.confidence) if measure is not None else None
+    return {"engine": cell.k0_engine, "requests": cell.k0.requests, "measure": measure,
+            "tax": None if tax is None else {"ratio": round(tax.ratio, 4), "low": round(tax.low, 4),
+                                             "high": round(tax.high, 4), "n_k0": tax.n_a, "n_plain": tax.n_b,
+                                             "confidence": tax.confidence},
+            "e2e_ms_p50": cell.k0.quantile("e2e", 0.5), "itl_ms_p50": cell.k0.quantile("itl", 0.5)}
+
+
 def cell_report(cell: Cell, cfg: RecommendConfig) -> dict[str, Any]:
     """One row of the speedup table (and of a recommendation's evidence)."""
     word, _ = verdict(cell, cfg)
@@ -201,6 +239,7 @@ def cell_report(cell: Cell, cfg: RecommendConfig) -> dict[str, Any]:
         "acceptance_rate": cell.speculative.acceptance_rate,
         "mean_acceptance_length": cell.speculative.mean_acceptance_length,
         "theory": theory(cell, cfg),
+        "k0": k0_report(cell, cfg),
     }
 
 
@@ -353,6 +392,7 @@ def recommend(document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
     for route in sorted(by_route):
         facts = _route_facts(doc.name, revision, route, by_route[route], speculates, cfg)
         out += _route_recommendations(facts, doc.guardrails.min_acceptance_rate, doc.engines, cfg)
+    out = _in_engine_schedules(doc, document, revision, cells, out, cfg)
     if switchback is None or switchback.verdict != EXPLORED_BETTER:
         return out
     # Clients fared worse in the windows that speculated more: nothing that widens speculation is proposed,
@@ -405,6 +445,116 @@ def _route_recommendations(facts: _RouteFacts, min_acceptance: float | None, eng
     found = (_raise_threshold(facts, cfg), _change_k(facts, engines, cfg), _switch_method(facts, engines, cfg),
                  _quality_risk(facts, cfg))
     return [r for r in found if r is not None]
+
+
+# --- engines that schedule in the engine -------------------------------------------------------------
+
+def _route_engine(doc: PolicyDocument, route: str) -> str | None:
+    """The speculative engine the rules send ``route`` to at batch 1 (None: a plain one)."""
+    decision = compile_policy(doc).decide(RequestShape(route=route, batch_size=1))
+    return decision.engine if decision.speculate else None
+
+
+def _schedule(doc: PolicyDocument, engine: str) -> list[list[int]]:
+    return [list(entry) for entry in batch_size_schedule(doc, engine)]
+
+
+def _in_engine_schedules(doc: PolicyDocument, document: Mapping[str, Any], revision: str, cells: Sequence[Cell],
+                         found: list[Recommendation], cfg: RecommendConfig) -> list[Recommendation]:
+    """``route_instead`` for each in-engine engine whose K=0 steps cost more than the plain engine (it takes
+    the place of the threshold edits on the routes that engine serves: they would tune a schedule the edit
+    removes); the other threshold edits on such routes name the schedule they make."""
+    in_engine = doc.in_engine_schedules
+    if not in_engine:
+        return found
+    routed_around: set[str] = set()
+    extra: list[Recommendation] = []
+    for engine in sorted(in_engine):
+        rec = _route_instead(doc, document, revision, engine, [c for c in cells if c.k0_engine == engine], cfg)
+        if rec is not None:
+            extra.append(rec)
+            routed_around.add(engine)
+    out: list[Recommendation] = []
+    for rec in found:
+        served_by = _route_engine(doc, rec.route) if rec.kind in THRESHOLD_KINDS else None
+        if served_by is None or served_by not in in_engine:
+            out.append(rec)
+        elif served_by not in routed_around and rec.edit is not None:
+            out.append(_as_schedule(doc, document, served_by, rec))
+    return extra + out
+
+
+def _as_schedule(doc: PolicyDocument, document: Mapping[str, Any], engine: str,
+                 rec: Recommendation) -> Recommendation:
+    """A threshold edit on a route of an in-engine engine, told as the engine's new schedule."""
+    assert rec.edit is not None
+    try:
+        _, after = edits.apply_edit(dict(document), rec.edit)
+        to: list[list[int]] | None = _schedule(after, engine)
+    except (ValueError, PolicyValidationError):
+        to = None  # the service checks every edit and marks it not applicable with the library's errors
+    before = _schedule(doc, engine)
+    rec.expected_effect = {**rec.expected_effect, "schedule": {"engine": engine, "from": before, "to": to}}
+    if to is not None:
+        rec.title = f"{rec.title}: engine {engine!r} drafts by the schedule {to}"
+        rec.message = (f"{rec.message} Engine {engine!r} schedules in the engine: its schedule becomes {to} "
+                       f"(was {before}); a supervising sidecar restarts it with the new schedule.")
+    return rec
+
+
+def _route_instead(doc: PolicyDocument, document: Mapping[str, Any], revision: str, engine: str,
+                   cells: Sequence[Cell], cfg: RecommendConfig) -> Recommendation | None:
+    """Drop the engine's in-engine schedule when its K=0 requests are slower than plain ones with confidence,
+    nowhere faster, and the edit sends that band to a plain engine (rules may route it elsewhere)."""
+    rows = []
+    for cell in cells:
+        measure = k0_measure(cell, cfg)
+        if measure is None:
+            continue
+        tax = cell.k0_tax(measure, cfg.confidence)
+        if tax is None:
+            continue
+        if tax.below_one:
+            return None  # K=0 steps are cheaper than plain somewhere: no case for routing around them
+        # A plain cohort whose clients left more often lost its slow tail: it only looks faster.
+        if tax.above_one and not more_disconnects(cell.plain, cell.k0, cfg.confidence):
+            rows.append((cell, measure, tax))
+    if not rows:
+        return None
+    edit = {"kind": "route_instead", "engine": engine}
+    try:
+        _, after = edits.apply_edit(dict(document), edit)
+    except (ValueError, PolicyValidationError):
+        return None
+    compiled = compile_policy(after)
+    for cell, _, _ in rows:
+        for size in (cell.batch_bucket, bucket_upper(cell.batch_bucket)):
+            if compiled.decide(RequestShape(route=cell.route, batch_size=size)).speculate:
+                return None  # the band would be speculated, not served plain: not what the evidence supports
+    weights = [(cell.k0.requests, tax.ratio) for cell, _, tax in rows]
+    mean_tax = math.exp(sum(w * math.log(r) for w, r in weights) / sum(w for w, _ in weights))
+    measure = next((m for m in ("e2e", "ttft", "itl") if any(row[1] == m for row in rows)), "itl")
+    where = ", ".join(f"{cell.route!r} {batch_bucket_label(cell.batch_bucket)} ({tax.ratio:.2f}, "
+                      f"{tax.confidence:.0%} interval {tax.low:.2f}-{tax.high:.2f})" for cell, _, tax in rows)
+    before = _schedule(doc, engine)
+    evidence = {"k0_tax": [{"route": cell.route, "batch_bucket": cell.batch_bucket,
+                            "batch_range": batch_bucket_label(cell.batch_bucket), **(k0_report(cell, cfg) or {})}
+                           for cell, _, _ in rows],
+                "buckets": [cell_report(c, cfg) for c in cells]}
+    label = MEASURE_LABELS.get(measure, "latency")
+    return Recommendation(
+        recommendation_id(doc.name, revision, "route_instead", "*", edit), "route_instead", "*",
+        f"route around engine {engine!r}'s K=0 band: send it to the plain engine instead of scheduling K=0",
+        edit, _confidence([tax for _, _, tax in rows], cfg),
+        {"schedule": {"engine": engine, "from": before, "to": None},
+         "latency_change_in_k0_band": round(1 / mean_tax, 4), "measure": measure,
+         "text": f"engine {engine!r} no longer schedules in the engine: its rules route by batch again, the "
+                 "requests it ran at K=0 go to the plain engine, and it drafts at its K whenever it runs"},
+        evidence,
+        f"Route instead of scheduling K=0: requests engine {engine!r} ran without drafting had a worse {label} "
+        f"than the plain engine's in {where}; its K=0 steps still pay the speculative engine's overhead. "
+        f"Drop its in-engine schedule (was {before}) so the rules route that band to the plain engine.",
+        measure=measure)
 
 
 # --- exclude the route --------------------------------------------------------------------------------

@@ -211,6 +211,8 @@ class SupervisedEngine(Answer):
     failed_restarts: int
     crashes: int
     last_error: str | None
+    # when the engine began serving its current arguments (the control plane's clock); null while it has not
+    serving_since: dt.datetime | None = None
 
 
 class Worker(Answer):
@@ -319,6 +321,7 @@ class RollupKey(Answer):
     batch_bucket: int | None = None
     batch_range: str | None = None
     explored: bool | None = None
+    k0: bool | None = None
 
 
 class RollupGroup(Answer):
@@ -382,6 +385,15 @@ class Theory(Answer):
     speedup: float
 
 
+class K0Requests(Answer):
+    """Requests an in-engine-scheduled engine ran at K=0, and their latency over the plain cohort's (tax)."""
+
+    engine: str | None
+    requests: int
+    measure: str | None
+    tax: SpeedupInterval | None  # ratio K=0 / plain: above 1, the K=0 steps cost more than not speculating
+
+
 class SpeedupRow(Answer):
     route: str
     batch_range: str
@@ -396,6 +408,7 @@ class SpeedupRow(Answer):
     client_disconnects: dict[str, int]  # per cohort: speculative, plain
     client_disconnect_rate: dict[str, float | None]
     theory: Theory | None
+    k0: K0Requests | None
 
 
 class SpeedupReport(Answer):

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -313,7 +314,7 @@ class TelemetryRollup(Base):
 
     __tablename__ = "telemetry_rollups"
     __table_args__ = (
-        UniqueConstraint("minute", "policy", "revision", "route", "engine", "batch_bucket", "explored",
+        UniqueConstraint("minute", "policy", "revision", "route", "engine", "batch_bucket", "explored", "k0",
                          name="uq_telemetry_rollups_key"),
     )
 
@@ -326,6 +327,8 @@ class TelemetryRollup(Base):
     engine: Mapped[str] = mapped_column(String(63))
     batch_bucket: Mapped[int] = mapped_column(Integer)  # analysis.buckets
     explored: Mapped[bool] = mapped_column(Boolean)
+    # the engine drafted nothing for these requests (analysis.rollup.ran_at_k0); false on rows from before
+    k0: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # counts and sums
     requests: Mapped[int] = mapped_column(BigInteger)
     ok: Mapped[int] = mapped_column(BigInteger)

@@ -97,6 +97,26 @@ class Theory(BaseModel):
     speedup: float = Field(description="(1 - a^(k+1)) / ((1 - a)(k c + 1)), Leviathan et al. 2023")
 
 
+class K0Tax(BaseModel):
+    ratio: float = Field(description="K=0 / plain latency (geometric means): above 1, the K=0 steps cost more "
+                                     "than not speculating")
+    low: float
+    high: float
+    n_k0: int
+    n_plain: int
+    confidence: float
+
+
+class K0Requests(BaseModel):
+    engine: str | None = Field(description="the in-engine-scheduled engine that ran them (the one seen most)")
+    requests: int = Field(description="requests it ran at K=0 throughout (it reported drafting no token)")
+    measure: str | None = Field(description="what the tax read (e2e where both have min_samples requests, else "
+                                            "itl); null below min_samples")
+    tax: K0Tax | None
+    e2e_ms_p50: float | None
+    itl_ms_p50: float | None
+
+
 class SpeedupRow(BaseModel):
     route: str
     batch_bucket: int
@@ -123,6 +143,8 @@ class SpeedupRow(BaseModel):
     acceptance_rate: float | None
     mean_acceptance_length: float | None
     theory: Theory | None
+    k0: K0Requests | None = Field(description="requests an in-engine-scheduled engine ran at K=0 (in neither "
+                                              "cohort) and the K=0 tax over the plain cohort; null: none")
 
 
 class SpeedupReport(BaseModel):
@@ -161,7 +183,7 @@ class BeforeAfterReport(BaseModel):
 class RecommendationRead(BaseModel):
     id: str
     kind: str = Field(description="raise_threshold, lower_threshold, exclude_route, change_k, switch_method, "
-                                  "stop_speculating (route '*': the whole policy), quality_risk")
+                                  "stop_speculating, route_instead (route '*': the whole policy), quality_risk")
     route: str
     title: str
     edit: dict[str, Any] | None = Field(description="the rule edit; null for a flag")

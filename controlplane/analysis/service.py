@@ -37,6 +37,7 @@ from controlplane.rollout.service import fleet_cohort_secret
 from controlplane.telemetry.repository import RollupFilter
 from controlplane.telemetry.service import RollupSummary, summarize
 from policies import (
+    Decision,
     PolicyDocument,
     PolicyValidationError,
     RequestShape,
@@ -142,21 +143,34 @@ class _Split:
     plain_explored: Cohort
     engines: dict[str, Cohort]
     engine_requests: dict[tuple[str, str, int], int]
+    # requests an in-engine-scheduled engine ran at K=0 throughout (policy's and explored alike): the cohort
+    # whose latency against the plain engine's is the K=0 tax
+    k0: Cohort
+    k0_engines: dict[str, int]
 
     @classmethod
     def empty(cls) -> _Split:
-        return cls(Cohort(), Cohort(), Cohort(), Cohort(), defaultdict(Cohort), defaultdict(int))
+        return cls(Cohort(), Cohort(), Cohort(), Cohort(), defaultdict(Cohort), defaultdict(int), Cohort(),
+                   defaultdict(int))
 
 
-def _facts(session: Session, policy: Policy, revisions: Sequence[str]) -> dict[str, dict[str, tuple[str, int]]]:
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    engines: dict[str, dict[str, tuple[str, int]]]  # revision -> {engine: (method, k)}
+    in_engine: dict[str, frozenset[str]]  # revision -> engines with schedule: in_engine
+
+
+def _facts(session: Session, policy: Policy, revisions: Sequence[str]) -> _Facts:
     docs = AnalysisRepository(session).documents(policy.id, revisions)
-    out: dict[str, dict[str, tuple[str, int]]] = {}
+    engines: dict[str, dict[str, tuple[str, int]]] = {}
+    in_engine: dict[str, frozenset[str]] = {}
     for rid, doc in docs.items():
         try:
-            out[rid] = engine_facts(doc)
+            engines[rid] = engine_facts(doc)
+            in_engine[rid] = validate_data(doc).in_engine_schedules
         except PolicyValidationError:  # pragma: no cover - stored revisions were validated
-            out[rid] = {}
-    return out
+            engines[rid], in_engine[rid] = {}, frozenset()
+    return _Facts(engines, in_engine)
 
 
 def _classify(summary: RollupSummary, facts: Mapping[str, Mapping[str, tuple[str, int]]]) -> tuple[str, int] | None:
@@ -174,17 +188,25 @@ def _classify(summary: RollupSummary, facts: Mapping[str, Mapping[str, tuple[str
 
 def _splits(session: Session, policy: Policy, flt: RollupFilter) -> dict[tuple[str, int], _Split]:
     # TTFT is not compared: reading only the ITL and e2e histograms saves a third of the rows.
-    rows, _ = summarize(session, flt, ["revision", "route", "batch_bucket", "engine", "explored"],
+    rows, _ = summarize(session, flt, ["revision", "route", "batch_bucket", "engine", "explored", "k0"],
                         metrics=("itl", "e2e"))
     facts = _facts(session, policy, sorted({r.key["revision"] for r in rows}))
     splits: dict[tuple[str, int], _Split] = defaultdict(_Split.empty)
     for row in rows:
-        kind = _classify(row, facts)
+        kind = _classify(row, facts.engines)
         if kind is None:
             continue
         method, k = kind
         split = splits[(row.key["route"], row.key["batch_bucket"])]
         cohort = _cohort(row)
+        if row.key["k0"] and row.key["engine"] in facts.in_engine.get(row.key["revision"], ()):
+            # An in-engine schedule's K=0 band: neither speculation (nothing was drafted) nor the plain
+            # engine (the speculative engine's steps ran). Elsewhere a request that drafted nothing stays in
+            # its engine's cohort: an n-gram engine without a match, or a short answer, is what that
+            # engine is, and taking such requests out would flatter it.
+            split.k0.add(cohort)
+            split.k0_engines[row.key["engine"]] += cohort.requests
+            continue
         if method == "none":
             (split.plain_explored if row.key["explored"] else split.plain).add(cohort)
         else:
@@ -199,7 +221,9 @@ def _cell(route: str, bucket: int, split: _Split, spec: Cohort, plain: Cohort, s
     k = None
     if split.engine_requests:
         engine, method, k = max(split.engine_requests, key=lambda e: split.engine_requests[e])
-    return Cell(route, bucket, spec, plain, source, engine, method, k or None, dict(split.engines))
+    k0_engine = max(split.k0_engines, key=lambda e: split.k0_engines[e]) if split.k0_engines else None
+    return Cell(route, bucket, spec, plain, source, engine, method, k or None, dict(split.engines),
+                k0=split.k0, k0_engine=k0_engine)
 
 
 def cells(session: Session, policy_name: str, *, start: dt.datetime | None, end: dt.datetime | None,
@@ -512,11 +536,20 @@ def what_if(session: Session, policy_name: str, *, revision: str | None, documen
                                                       limit=MAX_SHAPE_GROUPS + 1, fields=fields, cuts=cuts)
     truncated = len(groups) > MAX_SHAPE_GROUPS
     splits = _splits(session, policy, RollupFilter(policy=policy.name, start=start, end=end))
-    means: dict[tuple[str, int], dict[bool, tuple[float | None, float | None]]] = {}
+    means: dict[tuple[str, int], dict[str, tuple[float | None, float | None]]] = {}
     for key, split in splits.items():
         spec = Cohort().add(split.spec).add(split.spec_explored)
         plain = Cohort().add(split.plain).add(split.plain_explored)
-        means[key] = {True: (spec.itl_mean, spec.e2e_mean), False: (plain.itl_mean, plain.e2e_mean)}
+        means[key] = {"speculative": (spec.itl_mean, spec.e2e_mean), "plain": (plain.itl_mean, plain.e2e_mean),
+                      "k0": (split.k0.itl_mean, split.k0.e2e_mean)}
+    # A decision not to speculate that stays on an in-engine-scheduled engine runs its K=0 steps, at their cost
+    in_engine_before = validate_data(active.document).in_engine_schedules
+    in_engine_after = doc.in_engine_schedules
+
+    def engine_class(decision: Decision, in_engine: frozenset[str]) -> str:
+        if decision.speculate:
+            return "speculative"
+        return "k0" if decision.engine in in_engine else "plain"
     per_route: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for g in groups[:MAX_SHAPE_GROUPS]:
         try:
@@ -536,7 +569,7 @@ def what_if(session: Session, policy_name: str, *, revision: str | None, documen
         if (before.engine, before.num_speculative_tokens) != (after.engine, after.num_speculative_tokens):
             r["changed"] += n
         measured = means.get((g.route, batch_bucket(g.batch_size)), {})
-        b, a = measured.get(before.speculate), measured.get(after.speculate)
+        b, a = measured.get(engine_class(before, in_engine_before)), measured.get(engine_class(after, in_engine_after))
         if b is None or a is None or None in b or None in a:
             r["unestimated"] += n
             continue

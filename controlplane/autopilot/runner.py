@@ -100,7 +100,8 @@ def look_all(app: Any, leadership: Leadership | None = None) -> int:
     for policy_id in policy_ids:
         try:
             with unit_of_work(app.state.sessions) as session:
-                generation = service.look(session, policy_id, now=utcnow(), alpha=settings.guardrail_alpha)
+                generation = service.look(session, policy_id, now=utcnow(), alpha=settings.guardrail_alpha,
+                                          worker_stale_after_s=settings.worker_stale_after_s)
         except Exception:
             log.exception("autopilot look at policy %s failed", policy_id)
             continue

@@ -22,6 +22,7 @@ class ChangeKind(StrEnum):
 
     stop_speculating = "stop_speculating"
     exclude_route = "exclude_route"
+    route_instead = "route_instead"
     lower_threshold = "lower_threshold"
     raise_threshold = "raise_threshold"
     switch_method = "switch_method"

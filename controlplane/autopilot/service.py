@@ -8,7 +8,9 @@ transaction:
 - a rollout it runs: a terminal rollout is recorded (``completed``,
   ``rolled_back`` by the guardrails, ``aborted``) and forgotten; a paused one
   waits for a person; a running step is held ``hold_s``, then its guardrails
-  (the sequential test, end-to-end latency first) are looked at: a breach rolls
+  (the sequential test, end-to-end latency first) are looked at (a
+  workers-mode step waits while its canary's engines restart, and is held from
+  the minute after they serve the revision's arguments): a breach rolls
   it back, a step with no breach and ``min_samples`` requests in each cohort
   (the canary alone at 100 %) is promoted, the last promote completing it;
 - otherwise a new change, unless a rollout is in flight (anyone's), a person
@@ -164,8 +166,12 @@ def enabled_policies(session: Session) -> list[str]:
 
 # --- one look -------------------------------------------------------------------------------------
 
-def look(session: Session, policy_id: str, *, now: dt.datetime, alpha: float) -> int | None:
-    """Look at one policy's autopilot once (see the module doc); returns the generation to announce."""
+def look(session: Session, policy_id: str, *, now: dt.datetime, alpha: float,
+         worker_stale_after_s: float) -> int | None:
+    """Look at one policy's autopilot once (see the module doc); returns the generation to announce.
+
+    ``worker_stale_after_s``: a worker silent longer than this does not hold a workers-mode step's engine
+    gate (:func:`controlplane.rollout.guardrails.canary_engines`)."""
     repo = AutopilotRepository(session)
     ap = repo.get(policy_id)
     policy = RolloutRepository(session).policy(policy_id)
@@ -176,11 +182,12 @@ def look(session: Session, policy_id: str, *, now: dt.datetime, alpha: float) ->
         _status(ap, "waiting", "the kill switch is on: the autopilot changes nothing until it is off")
         return None
     if ap.rollout_id is not None:
-        return _follow(session, ap, policy, now=now, alpha=alpha)
+        return _follow(session, ap, policy, now=now, alpha=alpha, worker_stale_after_s=worker_stale_after_s)
     return _propose(session, ap, policy, now=now)
 
 
-def _follow(session: Session, ap: Autopilot, policy: Policy, *, now: dt.datetime, alpha: float) -> int | None:
+def _follow(session: Session, ap: Autopilot, policy: Policy, *, now: dt.datetime, alpha: float,
+            worker_stale_after_s: float) -> int | None:
     """Hold, promote or record the end of the rollout the autopilot runs (under the policy's lock: a person's
     disable, pause or rollback of the same policy waits for the look, or the look sees it)."""
     rollouts = RolloutRepository(session)
@@ -202,13 +209,20 @@ def _follow(session: Session, ap: Autopilot, policy: Policy, *, now: dt.datetime
     step = rollouts.step(rollout.id, rollout.current_step)
     assert step is not None
     started = step.started_at or rollout.created_at
-    held = (now - started).total_seconds()
     where = f"rollout {rollout.id} step {rollout.current_step} at {step.percent:g} %"
-    if held < ap.hold_s:
-        _status(ap, "rolling_out", f"{where}: held {held:.0f} of {ap.hold_s:.0f} s")
+    gate = guardrails.canary_engines(session, rollout, started, now=now, worker_stale_after_s=worker_stale_after_s)
+    if gate.status == "waiting":
+        _status(ap, "rolling_out", f"{where}: {gate.detail}")
+        return None
+    # The hold is of the canary running the revision: it starts when its engines serve the revision's arguments.
+    # A canary whose engines cannot run them is not held: the look below rolls it back.
+    held = (now - gate.judged_from).total_seconds()
+    since = "" if gate.judged_from == started else f" since {gate.judged_from.isoformat()} (its engines restarted)"
+    if held < ap.hold_s and gate.status != "failed":
+        _status(ap, "rolling_out", f"{where}: held {max(held, 0):.0f} of {ap.hold_s:.0f} s{since}")
         return None
     outcome = guardrails.evaluate_guardrails(session, rollout.id, actor=ACTOR, now=now, alpha=alpha,
-                                             auto_promote=False)
+                                             auto_promote=False, worker_stale_after_s=worker_stale_after_s)
     result = outcome.step
     if outcome.evaluation.action == "rolled_back":
         ap.rollout_id = None
@@ -218,6 +232,9 @@ def _follow(session: Session, ap: Autopilot, policy: Policy, *, now: dt.datetime
                detail={"step": rollout.current_step, "guardrails": result.to_dict()},
                reason=", ".join(c.detail for c in result.breaches))
         return outcome.generation
+    if outcome.engines.status == "waiting":  # an engine began restarting since the gate above
+        _status(ap, "rolling_out", f"{where}: {outcome.engines.detail}")
+        return None
     # The policy's own guardrail minimum too: below it the sequential test has not looked at all.
     target = rollouts.revision(rollout.to_revision_id)
     floor = validate_data(target.document).guardrails.min_samples if target is not None else 1

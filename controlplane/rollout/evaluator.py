@@ -30,7 +30,8 @@ def evaluate_now(app: Any, rollout_id: str, actor: str) -> GuardrailEvaluationRe
     with unit_of_work(app.state.sessions) as session:
         outcome = guardrails.evaluate_guardrails(session, rollout_id, actor=actor, now=utcnow(),
                                                  alpha=settings.guardrail_alpha,
-                                                 auto_promote=settings.guardrail_auto_promote)
+                                                 auto_promote=settings.guardrail_auto_promote,
+                                                 worker_stale_after_s=settings.worker_stale_after_s)
         read = GuardrailEvaluationRead.model_validate(outcome.evaluation)
     if outcome.generation is not None:
         app.state.hub.publish(outcome.generation)

@@ -185,19 +185,22 @@ Text = Annotated[str | None, Query(max_length=128, pattern=NO_CONTROL)]
 @router.get(
     "/rollups", response_model=RollupReport, responses=INVALID_RESPONSE,
     description="Merged per-minute rollups, grouped by any of minute, policy, revision, route, engine, "
-                "batch_bucket, explored. A rollup minute counts when `from <= minute < to`. Latency quantiles "
+                "batch_bucket, explored, k0 (the engine drafted nothing for the requests). A rollup minute counts "
+                "when `from <= minute < to`. Latency quantiles "
                 "come from the merged histograms (fixed log buckets, 35 % wide).",
 )
 def rollups(
     session: SessionDep, _: Reader,
     policy: Text = None, revision: Text = None, route: Text = None, engine: Text = None,
     explored: bool | None = None,
+    k0: Annotated[bool | None, Query(description="only requests an engine ran at K=0 throughout (true) or "
+                                                 "not (false)")] = None,
     start: Annotated[str | None, Query(alias="from", max_length=64, json_schema_extra={"format": "date-time"},
                                        description="ISO 8601 date-time; no zone means UTC")] = None,
     end: Annotated[str | None, Query(alias="to", max_length=64, json_schema_extra={"format": "date-time"},
                                      description="ISO 8601 date-time, exclusive")] = None,
     group_by: Annotated[list[str], Query(max_length=20, description="repeat, or comma-separate: "
-                                         "minute, policy, revision, route, engine, batch_bucket, explored")] = [],  # noqa: B006
+                                         "minute, policy, revision, route, engine, batch_bucket, explored, k0")] = [],  # noqa: B006
     limit: Annotated[int, Query(ge=1, le=10_000, description="most groups returned")] = 1000,
 ) -> RollupReport:
     groups = parse_group_by(group_by, GroupBy)
@@ -206,7 +209,7 @@ def rollups(
         raise ValidationFailed("`from` must be before `to`", errors=[
             {"path": "to", "in": "query", "code": ProblemCode.before_from, "message": "must be after `from`"}])
     flt = RollupFilter(policy=policy, revision=revision, route=route, engine=engine, explored=explored,
-                       start=since, end=until)
+                       k0=k0, start=since, end=until)
     summaries, truncated = service.summarize(session, flt, [g.value for g in groups], limit)
     return RollupReport(group_by=groups, groups=[_group_read(s) for s in summaries], truncated=truncated)
 

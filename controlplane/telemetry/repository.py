@@ -101,6 +101,7 @@ class RollupFilter:
     route: str | None = None
     engine: str | None = None
     explored: bool | None = None
+    k0: bool | None = None
     start: dt.datetime | None = None
     end: dt.datetime | None = None
 
@@ -284,7 +285,7 @@ class TelemetryRepository:
     @staticmethod
     def _where(flt: RollupFilter) -> list[ColumnElement[bool]]:
         conds: list[ColumnElement[bool]] = []
-        for name in ("policy", "revision", "route", "engine", "explored"):
+        for name in ("policy", "revision", "route", "engine", "explored", "k0"):
             value = getattr(flt, name)
             if value is not None:
                 conds.append(ROLLUPS.c[name] == value)

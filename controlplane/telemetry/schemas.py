@@ -76,6 +76,7 @@ class GroupBy(StrEnum):
     engine = "engine"
     batch_bucket = "batch_bucket"
     explored = "explored"
+    k0 = "k0"
 
 
 class Quantiles(BaseModel):
@@ -93,6 +94,7 @@ class RollupKeyRead(BaseModel):
     batch_bucket: int | None = Field(None, description="lower bound of the batch-size bucket")
     batch_range: str | None = Field(None, description="the batch-size bucket, e.g. '3-4' or '65+'")
     explored: bool | None = None
+    k0: bool | None = Field(None, description="the engine drafted nothing for these requests: every step ran at K=0")
 
 
 class RollupGroupRead(BaseModel):

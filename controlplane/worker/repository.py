@@ -1,4 +1,5 @@
-"""Every SQL statement of workers: by id, pages filtered by pool, kind and staleness, all of them."""
+"""Every SQL statement of workers: by id, pages filtered by pool, kind and staleness, the live ones running a
+revision, all of them."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class WorkerRepository:
         if after_id is not None:
             query = query.where(Worker.id > after_id)
         return self.session.scalars(query).all()
+
+    def live_running(self, revision_id: str, *, seen_since: dt.datetime) -> Sequence[Worker]:
+        """The workers that run ``revision_id`` and heartbeated at or after ``seen_since``, by id."""
+        return self.session.scalars(select(Worker).where(Worker.active_revision_id == revision_id,
+                                                         Worker.last_heartbeat_at >= seen_since)
+                                    .order_by(Worker.id)).all()
 
     def all(self) -> Sequence[Worker]:
         return self.session.scalars(select(Worker).order_by(Worker.pool, Worker.id)).all()

@@ -173,6 +173,11 @@ class SupervisedEngineRead(BaseModel):
     failed_restarts: int
     crashes: int
     last_error: str | None
+    # A default: reports stored before the control plane stamped them have none.
+    serving_since: dt.datetime | None = Field(
+        None, description="when the engine began serving its current arguments (config_hash), by the control "
+                          "plane's clock; null while it has not served them yet. A crash and restart with the "
+                          "same arguments keeps it")
 
 
 class WorkerRead(BaseModel):

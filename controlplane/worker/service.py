@@ -125,7 +125,9 @@ def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: P
         worker.replicas_reported_at = worker.last_heartbeat_at
     if body.supervised_engines is not None:
         reports = [report.model_dump(mode="json") for report in body.supervised_engines]
-        _audit_engine_failures(session, who, worker, worker.supervised_engines or [], reports)
+        previous = worker.supervised_engines or []
+        _audit_engine_failures(session, who, worker, previous, reports)
+        _stamp_serving_since(previous, reports, worker.last_heartbeat_at)
         worker.supervised_engines = reports
         worker.supervised_reported_at = worker.last_heartbeat_at
     expected = load_view(session, [worker.pool]).expected_etag(worker)
@@ -157,6 +159,24 @@ def _audit_engine_failures(session: Session, who: Principal, worker: Worker, bef
                           "config_hash": report["config_hash"], "failed_restarts": report["failed_restarts"],
                           "crashes": report["crashes"]},
                    reason=report["last_error"] or "")
+
+
+def _stamp_serving_since(before: list[dict[str, Any]], after: list[dict[str, Any]], now: dt.datetime) -> None:
+    """Set each report's ``serving_since``: when its engine began serving the arguments it runs now.
+
+    The guardrails judge a workers-mode canary only from then on: before it, the requests sent to the engine
+    were served by the fallback engine. Stamped by this clock, not the worker's, so that it compares with the
+    rollout step's start (stamped by this clock too) whatever the worker's clock says. Carried over while the
+    arguments (config_hash) stay the same, a crash and restart included: the fallbacks of a canary whose engine
+    crashes count against it. New arguments clear it until the engine serves them.
+    """
+    previous = {item.get("engine"): item for item in before if isinstance(item, dict)}
+    for report in after:
+        old = previous.get(report["engine"]) or {}
+        since = old.get("serving_since") if old.get("config_hash") == report["config_hash"] else None
+        if since is None and report["state"] == "serving":
+            since = now.isoformat()
+        report["serving_since"] = since
 
 
 def _supervised(worker: Worker) -> list[SupervisedEngineRead]:

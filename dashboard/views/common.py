@@ -101,4 +101,10 @@ def speedup_rows(rows: list[Any]) -> list[dict[str, Any]]:
                     "plain / speculative [interval]": "-" if est is None else
                     f"{est.ratio:.2f} [{est.low:.2f}, {est.high:.2f}]",
                     "verdict": row.verdict, "source": row.source})
+    if any(row.k0 is not None for row in rows):
+        # Only where an engine schedules in the engine: its requests that drafted nothing, against plain.
+        for shown, row in zip(out, rows, strict=True):
+            shown["K=0 requests"] = row.k0.requests if row.k0 is not None else 0
+            tax = row.k0.tax if row.k0 is not None else None
+            shown["K=0 / plain [interval]"] = "-" if tax is None else f"{tax.ratio:.2f} [{tax.low:.2f}, {tax.high:.2f}]"
     return out

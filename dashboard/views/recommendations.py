@@ -176,8 +176,9 @@ def _autopilot_form(session: ui.Session, policy: str, state: Autopilot) -> None:
         min_samples = c2.number_input("Requests per cohort", min_value=1, max_value=10_000_000,
                                       value=int(state.min_samples))
         per_day = c3.number_input("Changes per day", min_value=0, max_value=100, value=int(state.max_changes_per_day))
-        kinds = st.multiselect("Kinds it may apply", ["stop_speculating", "exclude_route", "lower_threshold",
-                                                      "raise_threshold", "switch_method", "change_k"],
+        kinds = st.multiselect("Kinds it may apply", ["stop_speculating", "exclude_route", "route_instead",
+                                                      "lower_threshold", "raise_threshold", "switch_method",
+                                                      "change_k"],
                                default=state.kinds)
         if st.form_submit_button("Save autopilot", disabled=not session.can_edit):
             try:

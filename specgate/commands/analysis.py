@@ -75,9 +75,14 @@ def speedups(policy: PolicyOpt, route: Annotated[str | None, typer.Option()] = N
         est = row.e2e_speedup if row.measure == "e2e" else row.itl_speedup
         ci = f"{est.ratio:.2f} [{est.low:.2f}, {est.high:.2f}]" if est else "-"
         theory = row.theory.speedup if row.theory else None
+        k0 = ""
+        if row.k0 is not None:
+            tax = row.k0.tax
+            k0 = (f" K=0 n={row.k0.requests} tax "
+                  f"{'-' if tax is None else f'{tax.ratio:.2f} [{tax.low:.2f}, {tax.high:.2f}]'}")
         typer.echo(f"{row.route:<16} batch {row.batch_range:<6} {row.measure} speedup {ci:<22} "
                    f"n={row.n_speculative}/{row.n_plain:<6} theory={_fmt(theory)} {row.verdict} "
-                   f"({row.source})")
+                   f"({row.source}){k0}")
 
 
 @analysis_app.command("before-after")

@@ -21,6 +21,7 @@ from controlplane.settings import ControlPlaneSettings
 from policies import sticky_fraction
 from policies.evaluate import exploration_salt
 from tests.support.factories import seed_policy
+from tests.support.fleet_rows import register
 from tests.support.telemetry_data import event, store
 
 Headers = dict[str, str]
@@ -47,9 +48,10 @@ class Db:
         self.engine = make_engine(url)
         self.sessions = make_sessionmaker(self.engine)
 
-    def look(self, policy_id: str, now: dt.datetime) -> int | None:
+    def look(self, policy_id: str, now: dt.datetime, *, worker_stale_after_s: float = 30) -> int | None:
         with unit_of_work(self.sessions) as session:
-            return autopilot_service.look(session, policy_id, now=now, alpha=0.05)
+            return autopilot_service.look(session, policy_id, now=now, alpha=0.05,
+                                          worker_stale_after_s=worker_stale_after_s)
 
     def autopilot(self, policy_id: str) -> Autopilot:
         with self.sessions() as session:
@@ -132,12 +134,12 @@ def switchback_window(db: Db, rid: str, *, end: dt.datetime, minutes: int = 40, 
 
 
 def canary_traffic(db: Db, rollout: Rollout, *, baseline_ms: float, canary_ms: float, n: int = 60,
-                   seed: int = 2, baseline: bool = True) -> None:
-    """Requests of both revisions of a traffic rollout, stamped from now on, so inside its current step: the
-    guardrails read the step's cohorts from the minute it started, and a step started just after a minute
-    turned would leave out requests stamped before it (one run did, at 06:24:00.035)."""
+                   seed: int = 2, baseline: bool = True, at: dt.datetime | None = None) -> None:
+    """Requests of both revisions of a traffic rollout, stamped from now (or ``at``) on, so inside its current
+    step: the guardrails read the step's cohorts from the minute it started, and a step started just after a
+    minute turned would leave out requests stamped before it (one run did, at 06:24:00.035)."""
     rng = random.Random(seed)
-    now = utcnow()
+    now = at or utcnow()
     events = []
     for i in range(n):
         when = now + dt.timedelta(milliseconds=10 * i)
@@ -281,6 +283,56 @@ def test_a_breach_rolls_back_with_its_evidence(client: TestClient, admin: Header
     assert db.audit("rollout.auto_rollback")
     assert db.audit("autopilot.rolled_back")[-1].after["guardrails"]["verdict"] == "breach"
     assert db.autopilot(policy_id).rollout_id is None
+
+
+def test_a_workers_step_waits_for_its_canarys_engines_and_is_held_from_when_they_serve(
+        client: TestClient, admin: Headers, worker_key: Headers, db: Db, policy: tuple[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    policy_id, rid = policy
+    now = utcnow()
+    switchback_window(db, rid, end=now)
+    enable(client, admin)
+    rollout = started(db, policy_id, now)
+    # A workers-mode step (the autopilot starts traffic ones today; the gate is the rollout's, whoever runs it).
+    with unit_of_work(db.sessions) as session:
+        session.execute(update(Rollout).where(Rollout.id == rollout.id).values(mode="workers"))
+    register(client, worker_key, "w-1")
+
+    def beat(state: str, revision: str, config_hash: str) -> None:
+        r = client.post("/v1/workers/w-1/heartbeat", headers=worker_key, json={
+            "active_revision": rollout.to_revision_id, "supervised_engines": [
+                {"engine": "draft", "state": state, "config_hash": config_hash, "revision": revision}]})
+        assert r.status_code == 200, r.text
+
+    beat("restarting", rollout.to_revision_id, "0b0b")
+    # Past hold_s with min_samples per cohort and no breach (what the happy path promotes): its engine restarts.
+    canary_traffic(db, rollout, baseline_ms=600, canary_ms=600)
+    stale_after = 3600  # the looks below are in the future; the worker stays live for them
+    assert db.look(policy_id, utcnow() + dt.timedelta(seconds=61), worker_stale_after_s=stale_after) is None
+    assert db.rollout(rollout.id).current_step == 0
+    ap = db.autopilot(policy_id)
+    assert ap.status == "rolling_out"
+    assert "waiting for the canary's engines" in ap.status_detail
+    assert "worker w-1: engine draft restarting" in ap.status_detail
+
+    # Serving the revision's arguments from then on (the control plane's clock, set apart from the minute of
+    # the requests above): held hold_s from the next whole minute, whose requests only count.
+    came_up = utcnow().replace(second=20, microsecond=0) + dt.timedelta(minutes=1)
+    monkeypatch.setattr("controlplane.worker.service.utcnow", lambda: came_up)
+    beat("serving", rollout.to_revision_id, "0b0b")
+    judged_from = came_up.replace(second=0) + dt.timedelta(minutes=1)
+    assert db.look(policy_id, came_up + dt.timedelta(seconds=30), worker_stale_after_s=stale_after) is None
+    assert db.rollout(rollout.id).current_step == 0
+    detail = db.autopilot(policy_id).status_detail
+    assert f"since {judged_from.isoformat()} (its engines restarted)" in detail, detail
+    canary_traffic(db, rollout, baseline_ms=600, canary_ms=600, seed=4, at=judged_from + dt.timedelta(seconds=1))
+    assert db.look(policy_id, judged_from + dt.timedelta(seconds=61), worker_stale_after_s=stale_after) is not None
+    assert db.rollout(rollout.id).current_step == 1
+    promoted = db.events(policy_id)[-1]
+    assert promoted.action == "promoted"
+    # Only the requests from the minute after the engine came up: not the 60 a cohort sent while it restarted.
+    assert promoted.detail["guardrails"]["canary_requests"] == 60
+    assert promoted.detail["guardrails"]["checks"][0]["guardrail"] == "engines"
 
 
 def test_a_persons_rollout_the_kill_switch_and_a_recent_change_keep_its_hands_off(

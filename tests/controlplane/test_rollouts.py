@@ -820,7 +820,8 @@ def test_a_guardrail_look_promotes_only_the_step_it_evaluated(
     monkeypatch.setattr(guardrails, "evaluate_step", operator_promotes_meanwhile)
     with unit_of_work(db.sessions) as session:
         outcome = guardrails.evaluate_guardrails(session, ro["id"], actor=GUARDRAIL_ACTOR,
-                                                 now=dt.datetime.now(dt.UTC), alpha=0.05, auto_promote=True)
+                                                 now=dt.datetime.now(dt.UTC), alpha=0.05, auto_promote=True,
+                                                 worker_stale_after_s=30)
         assert (outcome.evaluation.step, outcome.evaluation.action) == (0, "none")
         assert outcome.generation is None
     # Step 1 (50 %) was not skipped: it waits for a look of its own.

@@ -71,3 +71,25 @@ def test_markers_keep_what_falls_in_the_window() -> None:
                            now - dt.timedelta(hours=1), now)
     assert sorted(marks["kind"]) == ["rollback", "rollback", "rollout"]
     assert "fleet: 10% of bbbbbbbb" in set(marks["label"])
+
+
+def _speedup_row(route: str, bucket: str, k0: dict[str, object] | None) -> dict[str, object]:
+    return {"route": route, "batch_range": bucket, "source": "holdout", "n_speculative": 0, "n_plain": 200,
+            "measure": "e2e", "e2e_speedup": None, "ttft_speedup": None, "itl_speedup": None,
+            "verdict": "insufficient evidence", "client_disconnects": {}, "client_disconnect_rate": {},
+            "theory": None, "k0": k0}
+
+
+def test_speedup_rows_show_the_k0_tax_only_where_an_engine_ran_requests_at_k0() -> None:
+    from apiclient.models import SpeedupReport
+    from dashboard.views.common import speedup_rows
+
+    tax = {"engine": "draft", "requests": 400, "measure": "e2e", "tax": {"ratio": 1.71, "low": 1.62, "high": 1.8}}
+    report = SpeedupReport.model_validate({"policy": "p", "rows": [
+        _speedup_row("chat", "1", None), _speedup_row("chat", "9-16", tax),
+        _speedup_row("chat", "17-32", {**tax, "tax": None, "requests": 12})]})
+    shown = speedup_rows(report.rows)
+    assert [r["K=0 / plain [interval]"] for r in shown] == ["-", "1.71 [1.62, 1.80]", "-"]
+    assert [r["K=0 requests"] for r in shown] == [0, 400, 12]
+    plain = SpeedupReport.model_validate({"policy": "p", "rows": [_speedup_row("chat", "1", None)]})
+    assert "K=0 / plain [interval]" not in speedup_rows(plain.rows)[0]
