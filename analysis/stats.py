@@ -186,7 +186,7 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
     return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
-# Draft/target cost ratio assumed per method when the caller gives none: an n-gram lookup is
-# nearly free; a draft model costs a few percent of the target per token.
+# Draft/target cost ratio assumed per method when the caller gives none: an n-gram lookup and a
+# suffix-tree lookup (on the CPU) are nearly free; a draft model costs a few percent of the target per token.
 DEFAULT_COST_RATIO: dict[str, float] = {"ngram": 0.0, "draft_model": 0.1, "eagle": 0.05, "eagle3": 0.05,
-                                        "mtp": 0.05}
+                                        "mtp": 0.05, "suffix": 0.0}

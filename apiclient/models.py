@@ -202,6 +202,14 @@ class Replica(Answer):
     next_probe_in_s: float | None
 
 
+class TokenizerCheck(Answer):
+    """Whether an engine's draft model has its target's tokenizer; aligned None: not checked (see differences)."""
+
+    aligned: bool | None
+    draft: str
+    differences: list[str]
+
+
 class SupervisedEngine(Answer):
     engine: str
     state: str
@@ -213,6 +221,7 @@ class SupervisedEngine(Answer):
     last_error: str | None
     # when the engine began serving its current arguments (the control plane's clock); null while it has not
     serving_since: dt.datetime | None = None
+    tokenizer: TokenizerCheck | None = None  # the check of its draft model's tokenizer; null: no draft model
 
 
 class Worker(Answer):

@@ -203,13 +203,52 @@ class MtpEngine(_Strict):
     schedule: ScheduleMode | None = None
 
 
+# Suffix decoding (arXiv 2411.04975): drafts from suffix trees over the request's prompt and output and over the
+# responses of earlier requests, as far as the tokens' estimated probabilities carry it. Fields, defaults and bounds
+# as vLLM 0.32.0 defines them (vllm/config/speculative.py, SpeculativeConfig and _validate_suffix_decoding; the
+# proposer is vllm/v1/spec_decode/suffix_decoding.py, on Arctic Inference's suffix trees); like the other engines
+# the fields keep vLLM's names. num_speculative_tokens is the most a step drafts (vLLM would default it to the tree
+# depth, which is above what a policy may name). Upper bounds are the policy's own: vLLM has none (the trees take
+# 32-bit integers).
+MAX_SUFFIX_TREE_DEPTH = 1024
+MAX_SUFFIX_CACHED_REQUESTS = 1_000_000
+SUFFIX_REFUSES_IN_ENGINE = (
+    "suffix decoding cannot schedule in the engine: vLLM 0.32.0's suffix proposer drafts with the engine's "
+    "num_speculative_tokens at every step and stops on any other K, so it takes no batch-size schedule; leave "
+    "schedule out (the router applies the rules' batch ranges)")
+
+
+class SuffixEngine(_Strict):
+    method: Literal["suffix"]
+    description: str | None = None
+    num_speculative_tokens: SpeculativeTokens
+    # Only the router: vLLM's suffix proposer asserts that each step's K is the configured one (see above).
+    schedule: Annotated[Literal["router"], AfterValidator(lambda _: None)] | None = None
+    # The depth of the prompt's and the global suffix trees: a match and the draft after it together.
+    suffix_decoding_max_tree_depth: Annotated[int, Field(ge=1, le=MAX_SUFFIX_TREE_DEPTH)] = 24
+    # Earlier responses kept in the global tree, evicted first in first out; 0 keeps none (prompt trees only).
+    suffix_decoding_max_cached_requests: Annotated[int, Field(ge=0, le=MAX_SUFFIX_CACHED_REQUESTS)] = 10000
+    # A step drafts at most this factor times the length of the match. The upper bound is the policy's: a match is
+    # at least one token and K at most 16, so a larger factor limits nothing.
+    suffix_decoding_max_spec_factor: Annotated[float, Field(ge=0.0, le=16.0)] = 1.0
+    # Draft only tokens whose estimated probability (from the trees' frequency counts) is at least this.
+    suffix_decoding_min_token_prob: Fraction = 0.1
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _router_only(cls, value: object) -> object:
+        if value == "in_engine":
+            raise PydanticCustomError(ErrorCode.invalid_value, SUFFIX_REFUSES_IN_ENGINE)
+        return value
+
+
 Engine = Annotated[
-    PlainEngine | NgramEngine | DraftModelEngine | EagleEngine | MtpEngine,
+    PlainEngine | NgramEngine | DraftModelEngine | EagleEngine | MtpEngine | SuffixEngine,
     Field(discriminator="method"),
 ]
-SpeculativeEngine = NgramEngine | DraftModelEngine | EagleEngine | MtpEngine
-ENGINE_METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "mtp")
-ENGINE_MODELS = (PlainEngine, NgramEngine, DraftModelEngine, EagleEngine, MtpEngine)
+SpeculativeEngine = NgramEngine | DraftModelEngine | EagleEngine | MtpEngine | SuffixEngine
+ENGINE_METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix")
+ENGINE_MODELS = (PlainEngine, NgramEngine, DraftModelEngine, EagleEngine, MtpEngine, SuffixEngine)
 
 
 def engine_k(engine: PlainEngine | SpeculativeEngine) -> int:

@@ -1,4 +1,4 @@
-"""Engine configuration rendered from a policy: vLLM and TensorRT-LLM.
+"""Engine configuration rendered from a policy: vLLM, TensorRT-LLM and SGLang.
 
 The sidecar decides per request; the engine can additionally be told to stop
 drafting when its own running batch grows past what the policy allows
@@ -7,6 +7,9 @@ drafting when its own running batch grows past what the policy allows
 (``--schedule``): the sidecar sees the batch at admission, the engine sees it
 at every step. For an engine with ``schedule: in_engine`` it is the only one,
 and always rendered (policies.schedule).
+
+A method an engine lacks is refused with a :class:`RenderError` that names the engine and says why, never
+rendered as something else.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from policies.model import (
     NgramEngine,
     PlainEngine,
     PolicyDocument,
+    SuffixEngine,
     engine_k,
     schedules_in_engine,
 )
@@ -30,6 +34,9 @@ from policies.schedule import engine_schedule
 
 # vLLM's default max_num_seqs; the schedule must cover every batch size the engine can run.
 DEFAULT_MAX_NUM_SEQS = 256
+# The vLLM whose SpeculativeConfig the methods' fields were checked against (vllm/config/speculative.py); the
+# testbed runs it (testbed/env.py).
+VLLM_VERSION = "0.32.0"
 
 ScheduleEntry = tuple[int, int, int]
 
@@ -125,6 +132,17 @@ def vllm_speculative_config(doc: PolicyDocument, engine_name: str, *, schedule: 
                   "num_speculative_tokens": engine.num_speculative_tokens}
     elif isinstance(engine, MtpEngine):
         config = {"method": "mtp", "num_speculative_tokens": engine.num_speculative_tokens}
+    elif isinstance(engine, SuffixEngine):
+        if schedule is not None:
+            raise RenderError(f"engine '{engine_name}' (method suffix): vLLM {VLLM_VERSION}'s suffix proposer drafts "
+                              "with the configured num_speculative_tokens at every step and stops on any other K, "
+                              "so it takes no batch-size schedule")
+        # Every field, defaults included: the engine runs what the policy says even where vLLM's defaults move.
+        config = {"method": "suffix", "num_speculative_tokens": engine.num_speculative_tokens,
+                  "suffix_decoding_max_tree_depth": engine.suffix_decoding_max_tree_depth,
+                  "suffix_decoding_max_cached_requests": engine.suffix_decoding_max_cached_requests,
+                  "suffix_decoding_max_spec_factor": engine.suffix_decoding_max_spec_factor,
+                  "suffix_decoding_min_token_prob": engine.suffix_decoding_min_token_prob}
     else:  # pragma: no cover - the model's union is closed
         raise RenderError(f"cannot render engine method {engine.method!r}")
     if schedule is not None:
@@ -161,6 +179,11 @@ def trtllm_speculative_config(doc: PolicyDocument, engine_name: str, *, schedule
     engine = _engine(doc, engine_name)
     if isinstance(engine, PlainEngine):
         return None
+    if isinstance(engine, SuffixEngine):
+        # The nearest, decoding_type SA (SADecodingConfig), is another algorithm: a suffix automaton of earlier
+        # tokens with no tree depth, spec factor or token probability to carry these fields.
+        raise RenderError(f"engine '{engine_name}' (method suffix): TensorRT-LLM has no suffix decoding; its "
+                          "suffix-automaton decoding (SA) is another algorithm, with none of this engine's fields")
     schedule = _schedule_for(doc, engine_name, schedule, max_num_seqs)
     config: dict[str, Any] = {
         "decoding_type": _TRT_DECODING_TYPES[engine.method],
@@ -237,6 +260,9 @@ def sglang_launch_args(doc: PolicyDocument, engine_name: str, *, schedule: list[
     engine = _engine(doc, engine_name)
     if isinstance(engine, PlainEngine):
         return [], None
+    if isinstance(engine, SuffixEngine):
+        raise RenderError(f"engine '{engine_name}' (method suffix): SGLang {SGLANG_VERSION} has no suffix decoding "
+                          "(no SUFFIX speculative algorithm and no argument for its fields)")
     if isinstance(engine, DraftModelEngine) and engine.draft_tensor_parallel_size is not None:
         raise RenderError(f"engine '{engine_name}': draft_tensor_parallel_size has no SGLang {SGLANG_VERSION} "
                           "argument to render to")

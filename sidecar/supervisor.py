@@ -38,6 +38,7 @@ import aiohttp
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pairs import TokenizerUnreadable, check_pair
 from policies import PolicyDocument
 from policies.model import Identifier
 from policies.render import DEFAULT_MAX_NUM_SEQS, RenderError, vllm_serve_args
@@ -50,6 +51,8 @@ PLAIN_ARGS = "--enable-per-request-metrics"  # policies.render.vllm_serve_args o
 # Arguments that did not come up are not tried again for this long, whatever bundles arrive meanwhile.
 RETRY_REFUSED_AFTER_S = 600.0
 MAX_REPORTED_ERROR = 2048
+# What the control plane takes of a tokenizer check (controlplane.worker.schemas.TokenizerCheckReport).
+MAX_REPORTED_DIFFERENCES, MAX_REPORTED_DIFFERENCE, MAX_REPORTED_PATH = 8, 512, 1024
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 # libc's prctl, looked up here: the child between fork and exec must not load libraries.
 try:
@@ -75,6 +78,9 @@ class EngineSpec(BaseModel):
     host: HostName = "127.0.0.1"
     env: dict[EnvName, str] = {}  # e.g. CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND
     args: list[str] = []  # vLLM arguments of this worker (dtype, memory share, lengths), never speculative ones
+    # A draft model whose tokenizer differs from the target's is refused (pairs.tokenizers), unless this says
+    # the engine's build and method map a draft's vocabulary onto the target's; the check is reported anyway.
+    heterogeneous_vocabulary: bool = False
 
     def max_num_seqs(self) -> int:
         """vLLM's --max-num-seqs from ``args`` (its default without): how far an in-engine schedule reaches."""
@@ -141,6 +147,26 @@ def _local_models(args: list[str], models: Mapping[str, str]) -> list[str]:
             config["model"] = models[config["model"]]
             out[i + 1] = json.dumps(config, separators=(",", ":"), sort_keys=True)
     return out
+
+
+def draft_model_of(argv: list[str]) -> str | None:
+    """The draft model's path in an engine's ``--speculative-config``, for a method that drafts with a model
+    of its own tokenizer (``draft_model``); None otherwise (EAGLE and MTP heads read the target's tokens)."""
+    with contextlib.suppress(ValueError, IndexError, json.JSONDecodeError):
+        config = json.loads(argv[argv.index("--speculative-config") + 1])
+        if isinstance(config, dict) and config.get("method") == "draft_model" and isinstance(config.get("model"), str):
+            return str(config["model"])
+    return None
+
+
+def tokenizer_check(target: str, draft: str) -> dict[str, Any]:
+    """The heartbeat's ``tokenizer`` report of a target/draft pair: aligned true/false, or null when a
+    directory cannot be read (a hub name, a SentencePiece-only directory): then it is not refused."""
+    try:
+        report = check_pair(target, draft)
+    except TokenizerUnreadable as exc:
+        return {"aligned": None, "draft": draft, "differences": [f"not checked: {exc}"]}
+    return {"aligned": report.aligned, "draft": draft, "differences": report.differences}
 
 
 def config_hash(argv: list[str]) -> str:
@@ -230,6 +256,8 @@ class EngineState:
     policy_error: str | None = None
     # config hash -> when arguments with it last failed to come up: not tried again before RETRY_REFUSED_AFTER_S
     refused: dict[str, float] = field(default_factory=dict)
+    # the tokenizer check of the draft model in the arguments it runs or was last asked to run (None: no draft)
+    tokenizer: dict[str, Any] | None = None
 
     def report(self) -> dict[str, Any]:
         """What /metrics and the heartbeat carry (controlplane.worker.schemas.SupervisedEngineReport)."""
@@ -241,7 +269,14 @@ class EngineState:
         return {"engine": self.name, "state": self.state, "config_hash": config_hash(self.argv) if self.argv else None,
                 "revision": self.revision, "pid": self.process.pid if self.process is not None else None,
                 "restarts": self.restarts, "failed_restarts": self.failed_restarts, "crashes": self.crashes,
-                "last_error": error}
+                "last_error": error, "tokenizer": self._tokenizer_report()}
+
+    def _tokenizer_report(self) -> dict[str, Any] | None:
+        if self.tokenizer is None:
+            return None
+        differences = [_CONTROL.sub("?", d)[:MAX_REPORTED_DIFFERENCE] for d in self.tokenizer["differences"]]
+        return {**self.tokenizer, "draft": self.tokenizer["draft"][:MAX_REPORTED_PATH],
+                "differences": differences[:MAX_REPORTED_DIFFERENCES]}
 
 
 class EngineSupervisor:
@@ -258,6 +293,7 @@ class EngineSupervisor:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._seen: object = None
+        self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
 
     # --- what the sidecar calls --------------------------------------------------------------------
 
@@ -271,7 +307,15 @@ class EngineSupervisor:
         answers. A policy applied meanwhile waits until every engine is up or failed (the same lock)."""
         for state in self.engines.values():
             self.pools.hold(state.url)
-            self._launch(state, engine_argv(self.config, state.name, doc), revision)
+            argv = engine_argv(self.config, state.name, doc)
+            refusal = self._misaligned(state, argv, revision)
+            if refusal is not None:  # held and failed: its requests go to the fallback engine
+                state.state, state.last_error, state.revision = "failed", refusal, revision
+                state.refused[config_hash(argv)] = time.monotonic()
+                log.error("engine %s: %s", state.name, refusal)
+                self._changed()
+                continue
+            self._launch(state, argv, revision)
         self._tasks.append(asyncio.create_task(self._first_health(), name="engines-up"))
 
     def watch(self, current: Callable[[], Any], every_s: float = 0.25) -> None:
@@ -309,6 +353,16 @@ class EngineSupervisor:
                     log.info("engine %s: arguments %s did not come up %.0f s ago; not tried again yet",
                              state.name, config_hash(argv), time.monotonic() - refused_at)
                     continue
+                refusal = self._misaligned(state, argv, revision)
+                if refusal is not None:
+                    # Refused without a try, as a restart whose arguments did not come up: the engine keeps its
+                    # arguments and revision, and the control plane sees a failed restart (a canary rolls back).
+                    state.failed_restarts += 1
+                    state.refused[config_hash(argv)] = time.monotonic()
+                    state.last_error = refusal + ("; the engine keeps its previous arguments" if state.argv else "")
+                    log.error("engine %s: %s", state.name, state.last_error)
+                    self._changed()
+                    continue
                 await self._restart(state, argv, revision)
 
     async def stop(self) -> None:
@@ -328,6 +382,24 @@ class EngineSupervisor:
         return [state.report() for state in self.engines.values()]
 
     # --- inside --------------------------------------------------------------------------------------
+
+    def _misaligned(self, state: EngineState, argv: list[str], revision: str | None) -> str | None:
+        """Checks the tokenizers of ``argv``'s draft model and the engine's target (once per pair of paths) and
+        records the check; why the arguments are refused, or None."""
+        draft = draft_model_of(argv)
+        if draft is None:
+            state.tokenizer = None
+            return None
+        spec = self.config.engines[state.name]
+        pair = (spec.model, draft)
+        if pair not in self._pairs:
+            self._pairs[pair] = tokenizer_check(*pair)
+        state.tokenizer = self._pairs[pair]
+        if state.tokenizer["aligned"] is not False or spec.heterogeneous_vocabulary:
+            return None
+        return (f"revision {revision}'s draft model {draft} has another tokenizer than the target {spec.model}: "
+                f"{'; '.join(state.tokenizer['differences'])}; refused (the supervise file's "
+                "heterogeneous_vocabulary: true allows it)")
 
     def _launch(self, state: EngineState, argv: list[str], revision: str | None) -> bool:
         """Starts ``argv`` (of ``revision``) for the engine; False (the engine ``failed``, held) when the process

@@ -22,6 +22,7 @@ from sidecar.loadgen_cli import loadgen
 from specgate.commands.analysis import analysis_app, recommend_app
 from specgate.commands.autopilot import autopilot_app
 from specgate.commands.fleet import killswitch_app, workers
+from specgate.commands.pairs import check_pair
 from specgate.commands.policies import apply, rollback
 from specgate.commands.rollouts import rollout_app
 from specgate.reccheck import recommend_check_cmd
@@ -51,6 +52,7 @@ app.add_typer(autopilot_app, name="autopilot")
 testbed_app.command("recommend-check")(recommend_check_cmd)
 app.add_typer(testbed_app, name="testbed")
 app.command(help="Bring the product up locally (what `make run` runs).")(up)
+app.command(name="check-pair")(check_pair)
 app.command(name="sidecar")(sidecar)
 app.command(name="loadgen")(loadgen)
 app.command(name="dashboard")(dashboard)

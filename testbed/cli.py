@@ -39,10 +39,21 @@ def env_cmd() -> None:
 
 
 @testbed_app.command("train")
-def train_cmd(force: Annotated[bool, typer.Option("--force", help="retrain even when cached")] = False) -> None:
-    """Train (or reuse) the tokenizer, target and draft models; print where they are and how good they are."""
-    paths = models.ensure_models(force=force)
-    typer.echo(f"target  {paths.target}\ndraft   {paths.draft}")
+def train_cmd(force: Annotated[bool, typer.Option("--force", help="retrain even when cached")] = False,
+              misaligned: Annotated[bool, typer.Option(
+                  "--misaligned-draft", help="also a draft trained with a tokenizer of its own (for "
+                                             "`specgate check-pair` and bench.pair)")] = False) -> None:
+    """Train (or reuse) the tokenizer, target and draft models; print where they are and how good they are.
+
+    The pair's tokenizers are checked (pairs.tokenizers): a cache whose draft does not match its target fails."""
+    try:
+        paths = models.ensure_models(force=force)
+    except RuntimeError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(1) from None
+    typer.echo(f"target  {paths.target}\ndraft   {paths.draft}  (tokenizer aligned with the target)")
+    if misaligned:
+        typer.echo(f"misaligned draft  {models.ensure_misaligned_draft()}")
     report = paths.report
     if report:
         typer.echo(json.dumps({"seconds": report.get("seconds"), "quality": report.get("quality")}, indent=2))

@@ -40,6 +40,12 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def misaligned_source_digest() -> str:
+    """What decides the misaligned draft beyond the recipe (testbed.train_misaligned)."""
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256((here / "train_misaligned.py").read_bytes()).hexdigest()[:16]
+
+
 def full_recipe(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     recipe = {**RECIPE, **(overrides or {})}
     recipe["sources"] = source_digest()

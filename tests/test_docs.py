@@ -15,8 +15,8 @@ from tests.support import paths
 
 ROOT = paths.ROOT
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-PACKAGES = ("policies", "wire", "analysis", "apiclient", "controlplane", "sidecar", "dashboard", "testbed",
-            "specgate", "bench")
+PACKAGES = ("policies", "wire", "analysis", "pairs", "apiclient", "controlplane", "sidecar", "dashboard",
+            "testbed", "specgate", "bench")
 TRACE_HEADING = "## One request, through the loop"
 MAX_TRACED_FILES = 10
 

@@ -66,8 +66,8 @@ def test_the_layout_check_sees_an_import_of_another_test_module() -> None:
 
 
 # The packages that ship or run code; tests/ is held to its own rules above.
-SOURCE_PACKAGES = ("policies", "wire", "analysis", "apiclient", "controlplane", "sidecar", "dashboard", "testbed",
-                   "specgate", "bench")
+SOURCE_PACKAGES = ("policies", "wire", "analysis", "pairs", "apiclient", "controlplane", "sidecar", "dashboard",
+                   "testbed", "specgate", "bench")
 
 
 def test_every_source_module_says_what_it_is_for() -> None:

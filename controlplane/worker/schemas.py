@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator
 from pydantic_core import PydanticCustomError
 
 from controlplane.distribution.service import normalize_etag
@@ -74,6 +74,25 @@ class ReplicaReport(BaseModel):
     next_probe_in_s: Gauge | None = Field(None, description="while ejected: seconds until the next probe")
 
 
+# A tokenizer check's difference, as people read it (pairs.tokenizers): bounded, no control characters.
+Difference = Annotated[str, StringConstraints(max_length=512, pattern=NO_CONTROL)]
+
+
+class TokenizerCheckReport(BaseModel):
+    """Whether an engine's draft model has its target's tokenizer (pairs.tokenizers, run by the sidecar)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    aligned: StrictBool | None = Field(description="true: the same vocabulary, token-to-id map, special tokens "
+                                                   "and chat template; false: they differ (the engine is refused "
+                                                   "unless its supervise entry allows heterogeneous vocabularies); "
+                                                   "null: a directory could not be read, so it was not checked")
+    draft: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=NO_CONTROL)] = Field(
+        description="the draft model's path on the worker")
+    differences: list[Difference] = Field(default=[], max_length=8,
+                                          description="what differs, or why it was not checked")
+
+
 class SupervisedEngineReport(BaseModel):
     """One engine the sidecar starts and restarts itself (``specgate sidecar --supervise``), as it runs now."""
 
@@ -94,6 +113,9 @@ class SupervisedEngineReport(BaseModel):
     last_error: ErrorText | None = Field(None, description="why the last start or restart failed, or why the "
                                                            "latest policy was not applied; null once it serves "
                                                            "with new arguments")
+    tokenizer: TokenizerCheckReport | None = Field(None, description="the tokenizer check of the draft model in "
+                                                                     "the arguments the engine runs or was last asked "
+                                                                     "to run; null: no draft model")
 
 
 class WorkerHeartbeat(BaseModel):
@@ -164,6 +186,12 @@ class ReplicaRead(BaseModel):
     next_probe_in_s: float | None = Field(description="null unless ejected")
 
 
+class TokenizerCheckRead(BaseModel):
+    aligned: bool | None
+    draft: str
+    differences: list[str]
+
+
 class SupervisedEngineRead(BaseModel):
     engine: str
     state: SupervisedState
@@ -173,6 +201,8 @@ class SupervisedEngineRead(BaseModel):
     failed_restarts: int
     crashes: int
     last_error: str | None
+    tokenizer: TokenizerCheckRead | None = Field(None, description="the tokenizer check of its draft model (null: "
+                                                                   "no draft model, or reported before the check)")
     # A default: reports stored before the control plane stamped them have none.
     serving_since: dt.datetime | None = Field(
         None, description="when the engine began serving its current arguments (config_hash), by the control "

@@ -11,7 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from apiclient import ApiError, calls
-from apiclient.models import Fleet, RollupReport, Worker
+from apiclient.models import Fleet, RollupReport, SupervisedEngine, Worker
 from dashboard import charts, ui
 from dashboard.views.common import open_rollouts_of, speedup_rows, switchback_table, switchback_verdict
 
@@ -57,9 +57,18 @@ def _supervised(items: list[Worker]) -> pd.DataFrame:
     return pd.DataFrame([{
         "worker": w.id, "engine": e.engine, "state": e.state, "runs arguments of": ui.short(e.revision),
         "worker runs": ui.short(w.active_revision), "config": e.config_hash or "-", "restarts": e.restarts,
-        "failed restarts": e.failed_restarts, "crashes": e.crashes, "last error": e.last_error or "",
-        "as of": "stale" if w.stale else ui.ago(w.supervised_reported_at),
+        "failed restarts": e.failed_restarts, "crashes": e.crashes, "tokenizer": _tokenizer(e),
+        "last error": e.last_error or "", "as of": "stale" if w.stale else ui.ago(w.supervised_reported_at),
     } for w in items for e in w.supervised_engines])
+
+
+def _tokenizer(engine: SupervisedEngine) -> str:
+    check = engine.tokenizer
+    if check is None:
+        return "-"  # no draft model
+    if check.aligned is None:
+        return "not checked: " + "; ".join(check.differences)
+    return "aligned" if check.aligned else "misaligned: " + "; ".join(check.differences)
 
 
 def _fleet(session: ui.Session, fleet: Fleet) -> None:

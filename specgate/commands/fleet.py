@@ -77,6 +77,11 @@ def workers(pool: Annotated[str | None, typer.Option()] = None,
         if engines:
             for e in w.supervised_engines:
                 error = f"; last error: {e.last_error}" if e.last_error else ""
+                tok = e.tokenizer
+                pair = "" if tok is None else (
+                    "; tokenizer aligned" if tok.aligned else
+                    f"; tokenizer {'misaligned' if tok.aligned is False else 'not checked'}: "
+                    f"{'; '.join(tok.differences)}")
                 typer.echo(f"    {e.engine:<12} {e.state:<10} runs {(e.revision or '-')[:12]:<12} config "
                            f"{e.config_hash or '-'}, restarts {e.restarts}, failed {e.failed_restarts}, crashes "
-                           f"{e.crashes}{error}")
+                           f"{e.crashes}{pair}{error}")

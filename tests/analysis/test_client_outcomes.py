@@ -10,7 +10,6 @@ from typing import Any
 
 from analysis import edits
 from analysis.cells import Cell, Cohort
-from analysis.histogram import bucket_index
 from analysis.recommend import RecommendConfig, recommend
 from analysis.switchback import (
     EXPLORED_BETTER,
@@ -24,6 +23,7 @@ from analysis.switchback import (
     window_exposure,
 )
 from policies import canonical_document, load_policy, revision_id, sticky_fraction, validate_data
+from tests.support.cohorts import requests
 
 T0 = dt.datetime(2026, 12, 7, 9, 0, tzinfo=dt.UTC)
 
@@ -41,23 +41,6 @@ rules:
 default: {engine: base}
 exploration: {rate: 0.3, speculative_engine: draft, window_s: 60}
 """
-
-
-def requests(rng: random.Random, n: int, *, itl: float, e2e: float, ttft: float = 40.0,
-             sigma: float = 0.2) -> Cohort:
-    """``n`` requests whose ITL, e2e and TTFT are lognormal around the given medians."""
-    c = Cohort()
-    for _ in range(n):
-        values = {"itl": itl * math.exp(rng.gauss(0, sigma)), "e2e": e2e * math.exp(rng.gauss(0, sigma)),
-                  "ttft": ttft * math.exp(rng.gauss(0, sigma))}
-        c.requests += 1
-        c.itl_count += 1
-        c.itl_ms_sum += values["itl"]
-        c.e2e_ms_sum += values["e2e"]
-        for metric, value in values.items():
-            hist: dict[int, int] = getattr(c, metric)
-            hist[bucket_index(value)] = hist.get(bucket_index(value), 0) + 1
-    return c
 
 
 def minutes(rng: random.Random, count: int, *, policy_e2e: float, explored_e2e: float, policy_rate: float,

@@ -13,7 +13,7 @@ from analysis.cells import Cell, Cohort
 from analysis.recommend import RecommendConfig, recommend
 from analysis.rollup import aggregate, ran_at_k0
 from policies import RequestShape, canonical_document, compile_policy, load_policy, revision_id
-from tests.analysis.test_client_outcomes import requests
+from tests.support.cohorts import requests
 from wire.telemetry import TelemetryEvent
 
 # chat drafts with K 3 up to batch 4 on the draft engine, which schedules in the engine: above that the

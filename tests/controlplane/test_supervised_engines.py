@@ -138,6 +138,13 @@ def test_a_failed_restart_a_crash_and_an_engine_down_are_audited_once_each(
     ({"last_error": "nul\x00"}, "supervised_engines[0].last_error"),
     ({"last_error": "\x1b[2J"}, "supervised_engines[0].last_error"),
     ({"pid": 4242}, "supervised_engines[0].pid"),
+    ({"tokenizer": {"aligned": "yes", "draft": "/m/d"}}, "supervised_engines[0].tokenizer.aligned"),
+    ({"tokenizer": {"aligned": False, "draft": ""}}, "supervised_engines[0].tokenizer.draft"),
+    ({"tokenizer": {"aligned": False, "draft": "/m/d", "differences": ["x"] * 9}},
+     "supervised_engines[0].tokenizer.differences"),
+    ({"tokenizer": {"aligned": False, "draft": "/m/d", "differences": ["\x1b[2J"]}},
+     "supervised_engines[0].tokenizer.differences[0]"),
+    ({"tokenizer": {"aligned": True, "draft": "/m/d", "colour": 1}}, "supervised_engines[0].tokenizer.colour"),
 ])
 def test_a_bad_engine_report_is_a_problem_naming_its_field(
         client: TestClient, admin: dict[str, str], worker_key: dict[str, str], change: dict[str, Any],
@@ -183,3 +190,20 @@ def test_each_engine_once_and_at_most_64(client: TestClient, worker_key: dict[st
     r = client.post("/v1/workers/w1/heartbeat", json={"supervised_engines": many}, headers=worker_key)
     assert [e["path"] for e in r.json()["errors"]] == ["supervised_engines"]
     beat(client, worker_key, {"supervised_engines": many[:64]})
+
+
+def test_the_tokenizer_check_of_a_draft_model_is_shown_per_engine(
+        client: TestClient, admin: dict[str, str], worker_key: dict[str, str], running: tuple[str, str]) -> None:
+    revision, etag = running
+    misaligned = {"aligned": False, "draft": "/models/other-draft",
+                  "differences": ["draft has 32,000 tokens, target 32,064", "64 ids differ", "eos differs"]}
+    beat(client, worker_key, {"active_revision": revision, "active_etag": etag, "supervised_engines": [
+        engine("base", revision),
+        engine("draft", "r-old", failed_restarts=1, last_error="refused", tokenizer=misaligned)]})
+    engines = {e["engine"]: e for e in listed(client, admin)["supervised_engines"]}
+    assert engines["draft"]["tokenizer"] == misaligned
+    assert engines["base"]["tokenizer"] is None
+    worker = api_models.Worker.model_validate(listed(client, admin))
+    draft = next(e for e in worker.supervised_engines if e.engine == "draft")
+    assert draft.tokenizer is not None
+    assert draft.tokenizer.differences[1] == "64 ids differ"

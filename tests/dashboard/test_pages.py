@@ -165,7 +165,9 @@ def test_overview_shows_supervised_engines_and_a_worker_whose_engine_did_not_res
             "active_revision": active, "active_etag": etag, "supervised_engines": [
                 {**engine, "engine": "base", "revision": active},
                 {**engine, "engine": "draft", "revision": "r-previous", "failed_restarts": 1,
-                 "last_error": "the new arguments did not come up: **not markdown**"}]}).raise_for_status()
+                 "last_error": "the new arguments did not come up: **not markdown**",
+                 "tokenizer": {"aligned": False, "draft": "/models/other-draft",
+                               "differences": ["641 ids differ", "eos differs"]}}]}).raise_for_status()
     use(monkeypatch, cp.url, cp.viewer)
     at = page("overview").run()
     no_exception(at)
@@ -178,6 +180,7 @@ def test_overview_shows_supervised_engines_and_a_worker_whose_engine_did_not_res
         ("fleet-sup-1", "base", "serving", active[:12], 0), ("fleet-sup-1", "draft", "serving", "r-previous", 1)]
     assert rows[1]["last error"] == "the new arguments did not come up: **not markdown**"
     assert rows[1]["worker runs"] == active[:12]
+    assert [r["tokenizer"] for r in rows] == ["-", "misaligned: 641 ids differ; eos differs"]
 
 
 def test_overview_of_workers_only_shows_no_gateway_or_replica_table(live_control_plane: LiveControlPlane,

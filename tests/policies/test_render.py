@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,12 +17,14 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import PolicyDocument, RequestShape, compile_policy, load_policy, validate_data
+from policies import PolicyDocument, RequestShape, compile_policy, load_policy, revision_id, validate_data
+from policies.__main__ import main
 from policies.model import PlainEngine
 from policies.render import (
     DEFAULT_MAX_NUM_SEQS,
     RenderError,
     batch_size_schedule,
+    sglang_launch_args,
     trtllm_draft_len_schedule,
     trtllm_extra_options_yaml,
     trtllm_speculative_config,
@@ -321,3 +324,96 @@ def test_plain_engine_renders_without_speculation() -> None:
     assert trtllm_speculative_config(doc, "base") is None
     assert vllm_serve_args(doc, "base") == ["--enable-per-request-metrics"]
     assert trtllm_extra_options_yaml(doc, "base") == "{}\n"
+
+
+# --- suffix decoding ------------------------------------------------------------------------------------------
+# vLLM 0.32.0's SpeculativeConfig (vllm/config/speculative.py): method "suffix" with suffix_decoding_max_tree_depth
+# (default 24), suffix_decoding_max_cached_requests (10000), suffix_decoding_max_spec_factor (1.0) and
+# suffix_decoding_min_token_prob (0.1); num_speculative_tokens is the most one step drafts.
+
+SUFFIX = """apiVersion: specgate/v1
+name: suffix
+engines:
+  base: {method: none}
+  sfx:
+    method: suffix
+    num_speculative_tokens: 8
+    suffix_decoding_max_tree_depth: 32
+    suffix_decoding_max_cached_requests: 0
+    suffix_decoding_max_spec_factor: 2
+    suffix_decoding_min_token_prob: 0.25
+  sfx-defaults: {method: suffix, num_speculative_tokens: 4, schedule: router}
+rules:
+  - name: agent-suffix
+    when: {route: [agent], batch_size: {max: 8}}
+    then: {engine: sfx}
+  - name: extract-suffix
+    when: {route: [extract]}
+    then: {engine: sfx-defaults, num_speculative_tokens: 2}
+default: {engine: base}
+"""
+
+
+def test_suffix_renders_vllms_json_golden_and_checked_by_hand() -> None:
+    doc = load_policy(SUFFIX)
+    config = vllm_speculative_config(doc, "sfx")
+    assert config == {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 32,
+                      "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2.0,
+                      "suffix_decoding_min_token_prob": 0.25}
+    assert isinstance(config["suffix_decoding_max_spec_factor"], float)  # written 2, a float to vLLM
+    assert_golden("suffix/sfx.vllm-speculative-config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    args = vllm_serve_args(doc, "sfx")
+    assert_golden("suffix/sfx.vllm-args.json", json.dumps(args, indent=2) + "\n")
+    assert args[2:] == ["--per-request-spec-decode-metrics", "summary", "--enable-per-request-metrics"]
+    assert json.loads(args[1]) == config
+
+
+def test_a_suffix_engine_renders_vllms_defaults_in_full() -> None:
+    # Every field is written, defaults included: the engine runs what the policy says whatever vLLM's defaults.
+    doc = load_policy(SUFFIX)
+    config = vllm_speculative_config(doc, "sfx-defaults")
+    assert config == {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 24,
+                      "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+                      "suffix_decoding_min_token_prob": 0.1}
+    assert_golden("suffix/sfx-defaults.vllm-args.json", json.dumps(vllm_serve_args(doc, "sfx-defaults"), indent=2)
+                  + "\n")
+    # a document that spells the defaults out means the same: the same revision
+    spelled = SUFFIX.replace("sfx-defaults: {method: suffix, num_speculative_tokens: 4, schedule: router}",
+                             "sfx-defaults: {method: suffix, num_speculative_tokens: 4, "
+                             "suffix_decoding_max_tree_depth: 24, suffix_decoding_max_cached_requests: 10000, "
+                             "suffix_decoding_max_spec_factor: 1.0, suffix_decoding_min_token_prob: 0.1}")
+    assert spelled != SUFFIX
+    assert revision_id(load_policy(spelled)) == revision_id(doc)
+
+
+def test_suffix_is_refused_where_it_cannot_run() -> None:
+    doc = load_policy(SUFFIX)
+    # vLLM's suffix proposer asserts that every step drafts the configured K: no batch-size schedule
+    with pytest.raises(RenderError, match=r"engine 'sfx' \(method suffix\): vLLM 0\.32\.0's suffix proposer"):
+        vllm_serve_args(doc, "sfx", schedule=batch_size_schedule(doc, "sfx", 64))
+    with pytest.raises(RenderError, match="takes no batch-size schedule"):
+        vllm_speculative_config(doc, "sfx", schedule=[(1, 64, 8)])
+    # TensorRT-LLM's suffix automaton (SA) is another algorithm; SGLang has none
+    with pytest.raises(RenderError, match=r"engine 'sfx' \(method suffix\): TensorRT-LLM has no suffix decoding"):
+        trtllm_speculative_config(doc, "sfx")
+    with pytest.raises(RenderError, match="TensorRT-LLM has no suffix decoding"):
+        trtllm_extra_options_yaml(doc, "sfx-defaults")
+    with pytest.raises(RenderError, match=r"engine 'sfx' \(method suffix\): SGLang 0\.5\.23 has no suffix decoding"):
+        sglang_launch_args(doc, "sfx")
+    # the batch schedule itself is only arithmetic, as for any engine
+    assert batch_size_schedule(doc, "sfx", 16) == [(1, 8, 8), (9, 16, 0)]
+
+
+def test_the_cli_renders_suffix_for_vllm_and_says_why_not_elsewhere(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "suffix.yaml"
+    policy.write_text(SUFFIX)
+    assert main(["render", str(policy), "--engine", "sfx"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--speculative-config '{\"method\":\"suffix\",\"num_speculative_tokens\":8,")
+    for target, why in (("sglang", "SGLang 0.5.23 has no suffix decoding"),
+                        ("trtllm", "TensorRT-LLM has no suffix decoding")):
+        assert main(["render", str(policy), "--engine", "sfx", "--target", target]) == 2
+        assert why in capsys.readouterr().err
+    assert main(["render", str(policy), "--engine", "sfx", "--schedule"]) == 2
+    assert "takes no batch-size schedule" in capsys.readouterr().err

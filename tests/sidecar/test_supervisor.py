@@ -28,6 +28,7 @@ from sidecar.supervisor import EngineSupervisor, SuperviseError, engine_argv, lo
 from tests.support import paths
 from tests.support.cli import specgate_command
 from tests.support.fake_upstream import closed_port
+from tests.support.model_dirs import write_model
 from tests.support.sidecars import LoopThread, SidecarFactory, wait_for
 
 POLICY = """apiVersion: specgate/v1
@@ -486,3 +487,94 @@ def test_supervise_from_the_environment_names_the_engines(tmp_path: Path, monkey
     assert SidecarSettings().engines == {name: [config.url(name)] for name in config.engines}
     with pytest.raises(ValueError, match="leave out --engine"):
         SidecarSettings(engines={"base": "http://127.0.0.1:1"})
+
+
+# --- tokenizer alignment of the draft model (pairs.tokenizers) -------------------------------------------------
+
+WORDS = [f"w{i}" for i in range(50)]
+
+
+def _start(tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFactory, *,
+           draft_tokens: list[str], **entry: Any) -> tuple[Any, EngineSupervisor, Path]:
+    """Engines whose target has WORDS and whose local draft has ``draft_tokens``; started on policy(3)."""
+    write_model(tmp_path / "target", WORDS)
+    write_model(tmp_path / "local-draft", draft_tokens)
+    path = supervise_file(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["engines"]["draft"].update(entry)
+    path.write_text(yaml.safe_dump(data))
+    config = load_supervise_file(path)
+    sidecar = make_sidecar(engines={name: config.url(name) for name in config.engines}, bundle=bundle(policy(3)))
+    supervisor = EngineSupervisor(config, sidecar.app.pools, tmp_path)
+
+    async def start() -> None:
+        supervisor.start(policy(3), "r3")
+
+    loop_thread.run(start())
+    wait_for(lambda: supervisor.engines["base"].state == "serving"
+             and supervisor.engines["draft"].state in ("serving", "failed"), timeout=30)
+    return sidecar, supervisor, Path(config.log_dir or "")
+
+
+def test_an_aligned_draft_starts_and_says_so(tmp_path: Path, loop_thread: LoopThread,
+                                             make_sidecar: SidecarFactory) -> None:
+    sidecar, supervisor, _ = _start(tmp_path, loop_thread, make_sidecar, draft_tokens=WORDS)
+    try:
+        report = supervisor.engines["draft"].report()
+        assert report["state"] == "serving"
+        assert report["tokenizer"] == {"aligned": True, "draft": str(tmp_path / "local-draft"), "differences": []}
+        assert supervisor.engines["base"].report()["tokenizer"] is None  # no draft model
+        assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 3
+    finally:
+        loop_thread.run(supervisor.stop(), timeout=30)
+
+
+def test_a_misaligned_draft_is_refused_and_its_requests_go_to_the_plain_engine(
+        tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFactory) -> None:
+    sidecar, supervisor, logs = _start(tmp_path, loop_thread, make_sidecar, draft_tokens=[*WORDS, "extra"])
+    try:
+        report = supervisor.engines["draft"].report()
+        assert report["state"] == "failed"
+        assert report["tokenizer"]["aligned"] is False
+        assert report["tokenizer"]["differences"][0] == "draft has 54 tokens, target 53"
+        assert "has another tokenizer than the target" in report["last_error"]
+        assert "heterogeneous_vocabulary: true" in report["last_error"]
+        assert not (logs / "draft.log").exists()  # never started
+        answer = chat(sidecar.url)
+        assert answer.status_code == 200
+        assert answer.headers.get("x-specgate-fallback")
+        assert served_config(answer) == {}
+    finally:
+        loop_thread.run(supervisor.stop(), timeout=30)
+
+
+def test_heterogeneous_vocabulary_lets_a_misaligned_draft_start_and_still_reports_it(
+        tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFactory) -> None:
+    _, supervisor, _ = _start(tmp_path, loop_thread, make_sidecar, draft_tokens=[*WORDS, "extra"],
+                              heterogeneous_vocabulary=True)
+    try:
+        report = supervisor.engines["draft"].report()
+        assert report["state"] == "serving"
+        assert report["tokenizer"]["aligned"] is False
+    finally:
+        loop_thread.run(supervisor.stop(), timeout=30)
+
+
+def test_a_policy_that_brings_a_misaligned_draft_keeps_the_engine_on_its_arguments(
+        tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFactory) -> None:
+    sidecar, supervisor, _ = _start(tmp_path, loop_thread, make_sidecar, draft_tokens=WORDS)
+    other = write_model(tmp_path / "other-draft", WORDS, eos="<|user|>")
+    try:
+        before = supervisor.engines["draft"].report()
+        supervisor.config.models["models/other"] = str(other)
+        loop_thread.run(supervisor.apply(policy(3, model="models/other"), "r-other"), timeout=60)
+        report = supervisor.engines["draft"].report()
+        assert (report["state"], report["revision"], report["config_hash"]) == ("serving", "r3",
+                                                                                before["config_hash"])
+        assert (report["restarts"], report["failed_restarts"]) == (0, 1)
+        assert "eos differs" in report["last_error"]
+        assert "keeps its previous arguments" in report["last_error"]
+        assert report["tokenizer"]["draft"] == str(other)
+        assert served_config(chat(sidecar.url))["model"] == str(tmp_path / "local-draft")
+    finally:
+        loop_thread.run(supervisor.stop(), timeout=30)

@@ -376,15 +376,16 @@ def test_workers_shows_supervised_engines_and_who_waits_for_them(run: Run, live:
         expected = client.post("/v1/workers/register", json={"id": "sup-1", "pool": "a"}).json()["expected_etag"]
         engine = {"engine": "draft", "state": "serving", "config_hash": "00ff", "revision": "r-previous",
                   "restarts": 2, "failed_restarts": 1, "crashes": 0, "last_error": "it exited with 1"}
+        checked = {**engine, "tokenizer": {"aligned": False, "draft": "/m/d", "differences": ["eos differs"]}}
         r = client.post("/v1/workers/sup-1/heartbeat", json={"active_revision": revision, "active_etag": expected,
-                                                             "supervised_engines": [engine]})
+                                                             "supervised_engines": [checked]})
         assert r.status_code == 200, r.text
     out = run("workers", "--engines").stdout.splitlines()
     [row] = [line for line in out if line.startswith("sup-1")]
     assert row.endswith("engines behind")  # serving, but on the previous revision's arguments
     [draft] = [line for line in out if line.strip().startswith("draft")]
     assert "runs r-previous" in draft
-    assert "restarts 2, failed 1, crashes 0; last error: it exited with 1" in draft
+    assert "restarts 2, failed 1, crashes 0; tokenizer misaligned: eos differs; last error: it exited with 1" in draft
     assert "r-previous" not in run("workers").stdout  # engines only when asked for
     with httpx.Client(base_url=live, headers=worker, timeout=10) as client:
         r = client.post("/v1/workers/sup-1/heartbeat", json={"supervised_engines": [

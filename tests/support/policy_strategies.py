@@ -21,7 +21,9 @@ LABEL_KEYS = ("tier", "team")
 LABEL_VALUES = ("a", "b", "c")
 BOUND = 16  # range bounds are drawn from 0..BOUND; shapes from 0..BOUND + 2
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix")
+# Methods that may schedule in the engine (a suffix engine may not: vLLM's suffix proposer drafts one fixed K).
+IN_ENGINE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 NON_ROUTE_PREDICATES = ("model", "batch_size", "max_tokens", "prompt_tokens",
                         "structured_output", "tools", "stream", "labels")
 
@@ -50,6 +52,13 @@ def engine_sets(draw: st.DrawFn) -> dict[str, dict[str, Any]]:
             low = draw(st.integers(1, 4))
             spec["prompt_lookup_min"] = low
             spec["prompt_lookup_max"] = draw(st.integers(low, 8))
+        if method == "suffix":
+            optional = {"suffix_decoding_max_tree_depth": st.integers(1, 1024),
+                        "suffix_decoding_max_cached_requests": st.integers(0, 1_000_000),
+                        "suffix_decoding_max_spec_factor": st.floats(0.0, 16.0),
+                        "suffix_decoding_min_token_prob": st.floats(0.0, 1.0)}
+            for field in draw(st.sets(st.sampled_from(sorted(optional)))):
+                spec[field] = draw(optional[field])
         engines[f"{method.replace('_', '-')}{i}"] = spec
     return engines
 
@@ -258,7 +267,7 @@ def in_engine_documents(draw: st.DrawFn) -> dict[str, Any]:
     accepts but for shadowed rules: one group of rules for that engine, none of them with a range below batch 1,
     and neither the default nor exploration sending requests there."""
     raw = draw(raw_documents(min_rules=1))
-    speculative = speculative_names(raw["engines"])
+    speculative = [n for n in speculative_names(raw["engines"]) if raw["engines"][n]["method"] in IN_ENGINE_METHODS]
     if not speculative:
         raw["engines"]["in-engine"] = {"method": "ngram", "num_speculative_tokens": draw(st.integers(1, 16))}
         speculative = ["in-engine"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from testbed import env, models, paths, recipe
+from tests.support.model_dirs import write_model
 
 
 def test_recipe_hash_ignores_key_order_and_sees_every_value() -> None:
@@ -73,9 +74,15 @@ def test_stamps_say_what_is_ready(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     models.models_dir(full).mkdir(parents=True)
     paths.write_stamp(models.models_dir(full) / "recipe.json", full)
     assert models.is_ready(full)
-    # A cached pair is returned without touching the engine environment.
+    # A cached pair is returned without touching the engine environment, once its tokenizers agree.
+    root = models.models_dir(full)
+    write_model(root / "target", ["a", "b"])
+    write_model(root / "draft", ["a", "b"])
     got = models.ensure_models(Path("/nonexistent/python"), recipe=full, quiet=True)
-    assert got.target == models.models_dir(full) / "target"
+    assert got.target == root / "target"
+    write_model(root / "draft", ["b", "a"])
+    with pytest.raises(RuntimeError, match=r"draft and target tokenizers differ .* 2 ids differ"):
+        models.ensure_models(Path("/nonexistent/python"), recipe=full, quiet=True)
 
 
 def test_file_lock_serializes(tmp_path: Path) -> None:
