@@ -189,13 +189,20 @@ class SidecarMetrics(Collector):
         restarts = CounterMetricFamily(PREFIX + "engine_restarts", "Restarts of a supervised engine with new "
                                        "arguments, by outcome (ok; failed: back on the previous arguments)",
                                        labels=["engine", "outcome"])
+        aligned = GaugeMetricFamily(PREFIX + "engine_tokenizer_aligned", "1 when a supervised engine's draft model "
+                                    "has its target's tokenizer, 0 when it differs (pairs.tokenizers); absent "
+                                    "without a draft model or when it could not be checked", labels=["engine"])
         for report in reports:
             serving.add_metric([report["engine"], report["config_hash"] or ""], 1 if report["state"] == "serving"
                                else 0)
             restarts.add_metric([report["engine"], "ok"], report["restarts"])
             restarts.add_metric([report["engine"], "failed"], report["failed_restarts"])
+            check = report.get("tokenizer")
+            if check is not None and check["aligned"] is not None:
+                aligned.add_metric([report["engine"]], 1 if check["aligned"] else 0)
         yield serving
         yield restarts
+        yield aligned
 
     def _replica_families(self, pools: Pools) -> Iterator[Metric]:
         now = time.monotonic()

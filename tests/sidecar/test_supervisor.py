@@ -525,6 +525,13 @@ def test_an_aligned_draft_starts_and_says_so(tmp_path: Path, loop_thread: LoopTh
         assert report["tokenizer"] == {"aligned": True, "draft": str(tmp_path / "local-draft"), "differences": []}
         assert supervisor.engines["base"].report()["tokenizer"] is None  # no draft model
         assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 3
+        sidecar.app.metrics.supervisor = supervisor  # as the sidecar's start does with --supervise
+        metrics = httpx.get(sidecar.url + "/metrics").text
+        assert 'specgate_sidecar_engine_tokenizer_aligned{engine="draft"} 1.0' in metrics
+        assert 'specgate_sidecar_engine_tokenizer_aligned{engine="base"}' not in metrics
+        serving = f'specgate_sidecar_engine_serving{{config_hash="{report["config_hash"]}",engine="draft"}} 1.0'
+        assert serving in metrics
+        assert 'specgate_sidecar_engine_restarts_total{engine="draft",outcome="failed"} 0.0' in metrics
     finally:
         loop_thread.run(supervisor.stop(), timeout=30)
 
@@ -544,6 +551,10 @@ def test_a_misaligned_draft_is_refused_and_its_requests_go_to_the_plain_engine(
         assert answer.status_code == 200
         assert answer.headers.get("x-specgate-fallback")
         assert served_config(answer) == {}
+        sidecar.app.metrics.supervisor = supervisor
+        metrics = httpx.get(sidecar.url + "/metrics").text
+        assert 'specgate_sidecar_engine_tokenizer_aligned{engine="draft"} 0.0' in metrics
+        assert 'specgate_sidecar_engine_serving{config_hash="",engine="draft"} 0.0' in metrics
     finally:
         loop_thread.run(supervisor.stop(), timeout=30)
 
