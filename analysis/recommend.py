@@ -44,8 +44,8 @@ What it proposes, per route:
 - ``quality_risk`` (a flag, nothing to apply): retries or structured-output
   failures are higher on the speculative path with confidence.
 
-Engines that schedule in the engine (``schedule: in_engine``): their requests
-that ran at K=0 throughout (the ``k0`` rollups) are in neither cohort; each
+Engines that schedule in the engine (``schedule: in_engine``): the requests
+decided into their K=0 band (the ``k0`` rollups) are in neither cohort; each
 row reports them as ``k0`` with the K=0 tax (their latency over the plain
 cohort's, which there is the holdout's explored plain requests). Where that
 tax is above 1 with confidence, the engine's K=0 steps cost more than not
@@ -55,6 +55,10 @@ route by batch again and the band goes to the plain engine) in place of every
 threshold edit on the routes it serves. Otherwise a threshold edit on such a
 route is a new schedule for the engine: its expected effect carries the
 schedule before and after (``[[lo, hi, K], ...]``, as rendered for vLLM).
+``route_instead`` is proposed only where the engine drafts one K wherever it
+drafts and the edited policy serves every K=0 band of the engine plain (the
+rules of other routes could send a band to another speculative engine);
+it counts as widening for the switchback guard.
 
 Client disconnects: a bucket where one cohort's clients went away markedly
 more often (:func:`analysis.cells.more_disconnects`) never says that cohort
@@ -106,7 +110,8 @@ class RecommendConfig:
 
 
 MEASURE_LABELS = {"e2e": "end-to-end latency", "itl": "inter-token latency", "ttft": "time to first token"}
-WIDENING = frozenset({"raise_threshold", "change_k", "switch_method"})
+# route_instead too: the rules then route by batch again, and a band they send elsewhere may speculate there.
+WIDENING = frozenset({"raise_threshold", "change_k", "switch_method", "route_instead"})
 THRESHOLD_KINDS = frozenset({"raise_threshold", "lower_threshold"})
 
 
@@ -209,7 +214,9 @@ def k0_report(cell: Cell, cfg: RecommendConfig) -> dict[str, Any] | None:
         return None
     measure = k0_measure(cell, cfg)
     tax = cell.k0_tax(measure, cfg.confidence) if measure is not None else None
+    drafted = cell.k0.draft_tokens / cell.k0.spec_reported if cell.k0.spec_reported else None
     return {"engine": cell.k0_engine, "requests": cell.k0.requests, "measure": measure,
+            "drafted_per_request": None if drafted is None else round(drafted, 3),
             "tax": None if tax is None else {"ratio": round(tax.ratio, 4), "low": round(tax.low, 4),
                                              "high": round(tax.high, 4), "n_k0": tax.n_a, "n_plain": tax.n_b,
                                              "confidence": tax.confidence},
@@ -502,6 +509,21 @@ def _as_schedule(doc: PolicyDocument, document: Mapping[str, Any], engine: str,
     return rec
 
 
+def _k0_bands_served_plain(doc: PolicyDocument, after: PolicyDocument, engine: str, routes: Sequence[str]) -> bool:
+    """Whether every request the policy decides into the engine's K=0 band, on every route its rules name (and
+    one they do not), at every batch-bucket edge, is decided plain after the edit."""
+    named = {r for rule in doc.rules if rule.when.route for r in rule.when.route}
+    before_policy, after_policy = compile_policy(doc), compile_policy(after)
+    for route in sorted({*named, *routes, "(a route no rule names)"}):
+        for lower in BATCH_BUCKETS:
+            for size in (lower, bucket_upper(lower)):
+                shape = RequestShape(route=route, batch_size=size)
+                was = before_policy.decide(shape)
+                if was.engine == engine and not was.speculate and after_policy.decide(shape).speculate:
+                    return False
+    return True
+
+
 def _route_instead(doc: PolicyDocument, document: Mapping[str, Any], revision: str, engine: str,
                    cells: Sequence[Cell], cfg: RecommendConfig) -> Recommendation | None:
     """Drop the engine's in-engine schedule when its K=0 requests are slower than plain ones with confidence,
@@ -521,22 +543,21 @@ def _route_instead(doc: PolicyDocument, document: Mapping[str, Any], revision: s
             rows.append((cell, measure, tax))
     if not rows:
         return None
+    before = _schedule(doc, engine)
+    if len({k for _, _, k in before if k}) > 1:
+        return None  # routed, the engine drafts one K everywhere: bands with a smaller K would draft more
     edit = {"kind": "route_instead", "engine": engine}
     try:
         _, after = edits.apply_edit(dict(document), edit)
     except (ValueError, PolicyValidationError):
         return None
-    compiled = compile_policy(after)
-    for cell, _, _ in rows:
-        for size in (cell.batch_bucket, bucket_upper(cell.batch_bucket)):
-            if compiled.decide(RequestShape(route=cell.route, batch_size=size)).speculate:
-                return None  # the band would be speculated, not served plain: not what the evidence supports
+    if not _k0_bands_served_plain(doc, after, engine, [cell.route for cell in cells]):
+        return None  # a band would be speculated elsewhere, which the K=0 tax says nothing about
     weights = [(cell.k0.requests, tax.ratio) for cell, _, tax in rows]
     mean_tax = math.exp(sum(w * math.log(r) for w, r in weights) / sum(w for w, _ in weights))
     measure = next((m for m in ("e2e", "ttft", "itl") if any(row[1] == m for row in rows)), "itl")
     where = ", ".join(f"{cell.route!r} {batch_bucket_label(cell.batch_bucket)} ({tax.ratio:.2f}, "
                       f"{tax.confidence:.0%} interval {tax.low:.2f}-{tax.high:.2f})" for cell, _, tax in rows)
-    before = _schedule(doc, engine)
     evidence = {"k0_tax": [{"route": cell.route, "batch_bucket": cell.batch_bucket,
                             "batch_range": batch_bucket_label(cell.batch_bucket), **(k0_report(cell, cfg) or {})}
                            for cell, _, _ in rows],
@@ -551,7 +572,7 @@ def _route_instead(doc: PolicyDocument, document: Mapping[str, Any], revision: s
          "text": f"engine {engine!r} no longer schedules in the engine: its rules route by batch again, the "
                  "requests it ran at K=0 go to the plain engine, and it drafts at its K whenever it runs"},
         evidence,
-        f"Route instead of scheduling K=0: requests engine {engine!r} ran without drafting had a worse {label} "
+        f"Route instead of scheduling K=0: requests decided into engine {engine!r}'s K=0 band had a worse {label} "
         f"than the plain engine's in {where}; its K=0 steps still pay the speculative engine's overhead. "
         f"Drop its in-engine schedule (was {before}) so the rules route that band to the plain engine.",
         measure=measure)

@@ -4,8 +4,8 @@ A rollup row is keyed by (``minute``, ``policy``, ``revision``, ``route``,
 ``engine``, ``batch_bucket``, ``explored``, ``k0``): ``minute`` is the event's
 ``time`` truncated to the minute (UTC), ``engine`` the engine the request
 finally ran on, ``batch_bucket`` the lower bound of the batch-size bucket
-(:mod:`analysis.buckets`), ``k0`` whether the engine ran the request at K=0
-throughout (:func:`ran_at_k0`).
+(:mod:`analysis.buckets`), ``k0`` whether the request was decided into a
+speculative engine's K=0 band (:func:`decided_k0`).
 
 Every counter is a plain sum over the events of the key, so two rollups of
 the same key merge by adding them (and that is what ingest does in SQL):
@@ -103,21 +103,23 @@ def minute_of(time: dt.datetime) -> dt.datetime:
     return time.astimezone(dt.UTC).replace(second=0, microsecond=0)
 
 
-def ran_at_k0(event: TelemetryEvent) -> bool:
-    """Whether the engine reported its per-request speculative metrics and drafted no token for a request
-    of more than one output token: every decode step of it ran at K=0.
+def decided_k0(event: TelemetryEvent) -> bool:
+    """Whether the request ran on a speculative engine that the decision told not to draft for it: the K=0
+    band of an in-engine schedule (``speculate`` false, and the engine reported its per-request speculative
+    metrics, which a plain engine has none of). Its ``spec_draft_tokens`` say what the engine did (it picks
+    K by its own running batch, which the sidecar's decision only estimates).
 
-    That is the K=0 band of an in-engine schedule (vLLM's ``num_speculative_tokens_per_batch_size``), or
-    an n-gram engine that found no match. It is a key, not a counter, because the analysis compares these
-    requests' latencies (histograms) with the plain engine's: what K=0 steps still cost. A request of one
-    output token had no step to draft in, and an engine that does not report says nothing of its K.
+    By the decision, not by what the engine drafted: the holdout's explored plain requests are drawn from the
+    same decisions, so the two cohorts differ only by the engine (a cohort chosen by "drafted nothing" would
+    gather the short answers). It is a key, not a counter, because the analysis compares these requests'
+    latencies (histograms) with the plain engine's: what K=0 steps still cost.
     """
-    return event.spec_draft_tokens == 0 and event.completion_tokens is not None and event.completion_tokens > 1
+    return not event.speculate and event.spec_draft_tokens is not None
 
 
 def rollup_key(event: TelemetryEvent) -> RollupKey:
     return (minute_of(event.time), event.policy, event.revision, event.route, event.engine,
-            batch_bucket(event.batch_size), event.explored, ran_at_k0(event))
+            batch_bucket(event.batch_size), event.explored, decided_k0(event))
 
 
 class RollupDelta:
@@ -140,8 +142,7 @@ def aggregate(events: Iterable[TelemetryEvent]) -> dict[RollupKey, RollupDelta]:
         if minute is None:
             minute = minutes[time] = minute_of(time)
         key = (minute, ev.policy, ev.revision, ev.route, ev.engine, batch_bucket(ev.batch_size), ev.explored,
-               ev.spec_draft_tokens == 0 and ev.completion_tokens is not None and ev.completion_tokens > 1)
-        # (the last field is ran_at_k0, inlined: this loop is the ingest's hot path)
+               not ev.speculate and ev.spec_draft_tokens is not None)  # decided_k0, inlined: the ingest's hot path
         delta = out.get(key)
         if delta is None:
             delta = out[key] = RollupDelta()

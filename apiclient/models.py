@@ -208,6 +208,7 @@ class TokenizerCheck(Answer):
     aligned: bool | None
     draft: str
     differences: list[str]
+    notes: list[str] = []  # what differs without changing what an id means (roles, chat template)
 
 
 class SupervisedEngine(Answer):
@@ -219,6 +220,7 @@ class SupervisedEngine(Answer):
     failed_restarts: int
     crashes: int
     last_error: str | None
+    error_revision: str | None = None  # the revision whose arguments last_error is about
     # when the engine began serving its current arguments (the control plane's clock); null while it has not
     serving_since: dt.datetime | None = None
     tokenizer: TokenizerCheck | None = None  # the check of its draft model's tokenizer; null: no draft model
@@ -399,6 +401,7 @@ class K0Requests(Answer):
 
     engine: str | None
     requests: int
+    drafted_per_request: float | None  # what the engine drafted for them all the same (its batch, not ours)
     measure: str | None
     tax: SpeedupInterval | None  # ratio K=0 / plain: above 1, the K=0 steps cost more than not speculating
 

@@ -327,7 +327,7 @@ class TelemetryRollup(Base):
     engine: Mapped[str] = mapped_column(String(63))
     batch_bucket: Mapped[int] = mapped_column(Integer)  # analysis.buckets
     explored: Mapped[bool] = mapped_column(Boolean)
-    # the engine drafted nothing for these requests (analysis.rollup.ran_at_k0); false on rows from before
+    # decided into a speculative engine's K=0 band (analysis.rollup.decided_k0); false on rows from before
     k0: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # counts and sums
     requests: Mapped[int] = mapped_column(BigInteger)

@@ -8,8 +8,11 @@ than not speculating at all. So before a draft engine starts, compare what decid
   says it, the embedding rows of each model (``vocab_size``);
 * the token-to-id map itself, by a stable hash (SHA-256 over the sorted ``token\\tid`` lines) and, when the
   hashes differ, how many ids differ;
-* the special tokens (bos, eos, unk, pad and the additional ones), whose ids end and frame answers;
-* the chat template, which turns a chat request into the prompt both models must see the same way.
+* the special tokens (bos, eos, unk, pad and the additional ones) and the chat template: reported as
+  notes, not as a misalignment. The server reads prompts, templates and stop tokens with the target's
+  tokenizer and only exchanges ids with the draft, so a draft whose roles or template differ (an Instruct
+  target with a base draft of its family) drafts the same ids; a special token whose *id* differs is in the
+  map's differences already.
 
 A model directory is read from its files: ``tokenizer.json`` (the tokenizers library's format, what fast
 tokenizers save; BPE and WordPiece vocabularies are maps, Unigram ones lists), else ``vocab.json`` with
@@ -39,6 +42,11 @@ class TokenizerUnreadable(Exception):
     """A model directory whose tokenizer cannot be read; the message says which file and why."""
 
 
+def _map_hash(token_ids: Mapping[str, int]) -> str:
+    lines = "".join(f"{token}\t{i}\n" for token, i in sorted(token_ids.items(), key=lambda t: (t[1], t[0])))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class TokenizerFacts:
     """What decides the token ids of one model directory."""
@@ -50,15 +58,15 @@ class TokenizerFacts:
     chat_template: str | None
     embedding_rows: int | None  # config.json vocab_size, when it says
     reader: str  # tokenizer.json, vocab.json or transformers
+    # computed once: a large vocabulary takes a noticeable time to sort and hash
+    map_hash: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "map_hash", _map_hash(self.token_ids))
 
     @property
     def vocab_size(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def map_hash(self) -> str:
-        lines = "".join(f"{token}\t{i}\n" for token, i in sorted(self.token_ids.items(), key=lambda t: (t[1], t[0])))
-        return hashlib.sha256(lines.encode()).hexdigest()
 
     def summary(self) -> dict[str, Any]:
         return {"path": self.path, "reader": self.reader, "vocab_size": self.vocab_size,
@@ -74,20 +82,25 @@ class PairReport:
     """The comparison of a target's and a draft's tokenizers: aligned, or what differs."""
 
     aligned: bool
-    differences: list[str]
+    differences: list[str]  # what makes the draft's ids mean other text: the pair is misaligned
     target: dict[str, Any]
     draft: dict[str, Any]
     ids_differ: int = 0
     examples: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what differs without changing what an id means
 
     def to_dict(self) -> dict[str, Any]:
-        return {"aligned": self.aligned, "differences": self.differences, "ids_differ": self.ids_differ,
-                "examples": self.examples, "target": self.target, "draft": self.draft}
+        return {"aligned": self.aligned, "differences": self.differences, "notes": self.notes,
+                "ids_differ": self.ids_differ, "examples": self.examples, "target": self.target,
+                "draft": self.draft}
 
     def describe(self) -> str:
         if self.aligned:
-            return (f"aligned: {self.target['vocab_size']:,} tokens, the same token-to-id map "
-                    f"({self.target['map_hash'][:12]}), special tokens and chat template")
+            head = (f"aligned: {self.target['vocab_size']:,} tokens, the same token-to-id map "
+                    f"({self.target['map_hash'][:12]})")
+            if not self.notes:
+                return head + ", special tokens and chat template"
+            return f"{head}; but {'; '.join(self.notes)} (the server uses the target's)"
         return "; ".join(self.differences)
 
 
@@ -231,11 +244,15 @@ def _read_transformers(directory: Path) -> TokenizerFacts:
 
 
 def read_tokenizer(directory: str | Path, *, use_transformers: bool = False) -> TokenizerFacts:
-    """The facts of a model directory's tokenizer; TokenizerUnreadable says why not."""
+    """The facts of a model directory's tokenizer; TokenizerUnreadable says why not (whatever the files do:
+    an unreadable or undecodable file, a permission refused)."""
     path = Path(directory)
-    if not path.is_dir():
-        raise TokenizerUnreadable(f"{path}: not a directory")
-    return _read_transformers(path) if use_transformers else _read_files(path)
+    try:
+        if not path.is_dir():
+            raise TokenizerUnreadable(f"{path}: not a directory")
+        return _read_transformers(path) if use_transformers else _read_files(path)
+    except (OSError, UnicodeDecodeError, ValueError, TypeError) as exc:
+        raise TokenizerUnreadable(f"{path}: cannot read the tokenizer: {exc}") from None
 
 
 # --- comparing ------------------------------------------------------------------------------------------
@@ -264,25 +281,26 @@ def compare(target: TokenizerFacts, draft: TokenizerFacts) -> PairReport:
                     examples.append({"token": token, "target": t, "draft": d})
         differences.append(f"{_count(ids_differ)} ids differ (token-to-id maps {target.map_hash[:12]} and "
                            f"{draft.map_hash[:12]})")
+    notes: list[str] = []
     for role in SPECIAL_ROLES:
         t_tok, d_tok = target.special.get(role), draft.special.get(role)
         t_id = None if t_tok is None else target.token_ids.get(t_tok)
         d_id = None if d_tok is None else draft.token_ids.get(d_tok)
         if (t_tok, t_id) != (d_tok, d_id):
             name = role.removesuffix("_token")
-            differences.append(f"{name} differs (target {t_tok!r} id {t_id}, draft {d_tok!r} id {d_id})")
+            notes.append(f"{name} differs (target {t_tok!r} id {t_id}, draft {d_tok!r} id {d_id})")
     if set(target.additional_special) != set(draft.additional_special):
         only_t = sorted(set(target.additional_special) - set(draft.additional_special))
         only_d = sorted(set(draft.additional_special) - set(target.additional_special))
-        differences.append(f"additional special tokens differ (only the target's: {only_t[:EXAMPLES]}, only the "
-                           f"draft's: {only_d[:EXAMPLES]})")
+        notes.append(f"additional special tokens differ (only the target's: {only_t[:EXAMPLES]}, only the "
+                     f"draft's: {only_d[:EXAMPLES]})")
     if target.chat_template != draft.chat_template:
         if draft.chat_template is None or target.chat_template is None:
             which = "draft" if draft.chat_template is None else "target"
-            differences.append(f"chat template differs (the {which} has none)")
+            notes.append(f"chat template differs (the {which} has none)")
         else:
-            differences.append("chat template differs")
-    return PairReport(not differences, differences, target.summary(), draft.summary(), ids_differ, examples)
+            notes.append("chat template differs")
+    return PairReport(not differences, differences, target.summary(), draft.summary(), ids_differ, examples, notes)
 
 
 def check_pair(target_dir: str | Path, draft_dir: str | Path, *, use_transformers: bool = False) -> PairReport:

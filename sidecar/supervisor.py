@@ -54,6 +54,7 @@ MAX_REPORTED_ERROR = 2048
 # What the control plane takes of a tokenizer check (controlplane.worker.schemas.TokenizerCheckReport).
 MAX_REPORTED_DIFFERENCES, MAX_REPORTED_DIFFERENCE, MAX_REPORTED_PATH = 8, 512, 1024
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_ANY_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # libc's prctl, looked up here: the child between fork and exec must not load libraries.
 try:
     _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
@@ -165,8 +166,26 @@ def tokenizer_check(target: str, draft: str) -> dict[str, Any]:
     try:
         report = check_pair(target, draft)
     except TokenizerUnreadable as exc:
-        return {"aligned": None, "draft": draft, "differences": [f"not checked: {exc}"]}
-    return {"aligned": report.aligned, "draft": draft, "differences": report.differences}
+        return {"aligned": None, "draft": draft, "differences": [f"not checked: {exc}"], "notes": []}
+    except Exception as exc:  # the check must never take supervision down with it
+        return {"aligned": None, "draft": draft, "differences": [f"not checked: {type(exc).__name__}: {exc}"],
+                "notes": []}
+    return {"aligned": report.aligned, "draft": draft, "differences": report.differences, "notes": report.notes}
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "added_tokens.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "config.json")
+
+
+def _files_stamp(directory: str) -> tuple[int, ...]:
+    """When the files the check reads last changed: a draft replaced in place is checked again."""
+    stamps = []
+    for name in _TOKENIZER_FILES:
+        try:
+            stamps.append(os.stat(os.path.join(directory, name)).st_mtime_ns)
+        except OSError:
+            stamps.append(0)
+    return tuple(stamps)
 
 
 def config_hash(argv: list[str]) -> str:
@@ -252,8 +271,12 @@ class EngineState:
     failed_restarts: int = 0
     crashes: int = 0
     last_error: str | None = None
+    # the revision whose arguments last_error is about: a restart refused or failed, a crash of what ran. The
+    # control plane fails a canary only on an error about its own revision, never on one left from before.
+    error_revision: str | None = None
     # why the latest policy was not applied at all (it cannot be rendered here); reported before last_error
     policy_error: str | None = None
+    policy_revision: str | None = None
     # config hash -> when arguments with it last failed to come up: not tried again before RETRY_REFUSED_AFTER_S
     refused: dict[str, float] = field(default_factory=dict)
     # the tokenizer check of the draft model in the arguments it runs or was last asked to run (None: no draft)
@@ -266,17 +289,22 @@ class EngineState:
             error = _CONTROL.sub("?", error)
             if len(error) > MAX_REPORTED_ERROR:
                 error = error[:MAX_REPORTED_ERROR - 3] + "..."
+        error_revision = self.policy_revision if self.policy_error else self.error_revision
         return {"engine": self.name, "state": self.state, "config_hash": config_hash(self.argv) if self.argv else None,
                 "revision": self.revision, "pid": self.process.pid if self.process is not None else None,
                 "restarts": self.restarts, "failed_restarts": self.failed_restarts, "crashes": self.crashes,
-                "last_error": error, "tokenizer": self._tokenizer_report()}
+                "last_error": error, "error_revision": error_revision if error is not None else None,
+                "tokenizer": self._tokenizer_report()}
 
     def _tokenizer_report(self) -> dict[str, Any] | None:
         if self.tokenizer is None:
             return None
-        differences = [_CONTROL.sub("?", d)[:MAX_REPORTED_DIFFERENCE] for d in self.tokenizer["differences"]]
-        return {**self.tokenizer, "draft": self.tokenizer["draft"][:MAX_REPORTED_PATH],
-                "differences": differences[:MAX_REPORTED_DIFFERENCES]}
+        def clean(texts: list[str]) -> list[str]:  # one line each: the control plane takes no control character
+            return [_ANY_CONTROL.sub("?", t)[:MAX_REPORTED_DIFFERENCE] for t in texts][:MAX_REPORTED_DIFFERENCES]
+
+        return {"aligned": self.tokenizer["aligned"],
+                "draft": _ANY_CONTROL.sub("?", self.tokenizer["draft"])[:MAX_REPORTED_PATH],
+                "differences": clean(self.tokenizer["differences"]), "notes": clean(self.tokenizer["notes"])}
 
 
 class EngineSupervisor:
@@ -293,7 +321,8 @@ class EngineSupervisor:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._seen: object = None
-        self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
+        # (target, draft) -> (the files' stamps when checked, the check)
+        self._pairs: dict[tuple[str, str], tuple[tuple[int, ...], dict[str, Any]]] = {}
 
     # --- what the sidecar calls --------------------------------------------------------------------
 
@@ -311,6 +340,7 @@ class EngineSupervisor:
             refusal = self._misaligned(state, argv, revision)
             if refusal is not None:  # held and failed: its requests go to the fallback engine
                 state.state, state.last_error, state.revision = "failed", refusal, revision
+                state.error_revision = revision
                 state.refused[config_hash(argv)] = time.monotonic()
                 log.error("engine %s: %s", state.name, refusal)
                 self._changed()
@@ -332,6 +362,7 @@ class EngineSupervisor:
             wanted = {name: engine_argv(self.config, name, doc) for name in self.engines}
         except RenderError as exc:
             for state in self.engines.values():
+                state.policy_revision = revision
                 state.policy_error = (f"revision {revision} cannot be rendered for this worker: {exc}; "
                                       "the engines keep their arguments")
             self._changed()
@@ -340,10 +371,13 @@ class EngineSupervisor:
             for state in self.engines.values():
                 state.policy_error = None
             self._changed()
+        await self._prefetch_pair_checks(wanted)
         async with self._lock:
             for state in self.engines.values():
                 argv = wanted[state.name]
                 if argv == state.argv and state.state != "failed":
+                    # the check of what it runs (a refusal since may have left another pair's there)
+                    self._misaligned(state, argv, revision)
                     if state.revision != revision:  # the same arguments are now this revision's too
                         state.revision = revision
                         self._changed()
@@ -360,6 +394,7 @@ class EngineSupervisor:
                     state.failed_restarts += 1
                     state.refused[config_hash(argv)] = time.monotonic()
                     state.last_error = refusal + ("; the engine keeps its previous arguments" if state.argv else "")
+                    state.error_revision = revision
                     log.error("engine %s: %s", state.name, state.last_error)
                     self._changed()
                     continue
@@ -383,6 +418,21 @@ class EngineSupervisor:
 
     # --- inside --------------------------------------------------------------------------------------
 
+    def _pair_check(self, target: str, draft: str) -> dict[str, Any]:
+        stamp = _files_stamp(target) + _files_stamp(draft)
+        cached = self._pairs.get((target, draft))
+        if cached is None or cached[0] != stamp:
+            cached = self._pairs[(target, draft)] = (stamp, tokenizer_check(target, draft))
+        return cached[1]
+
+    async def _prefetch_pair_checks(self, wanted: Mapping[str, list[str]]) -> None:
+        """Reads the pairs a policy brings in a thread: a large vocabulary takes a second to read and compare,
+        which the loop that proxies requests must not spend."""
+        for name, argv in wanted.items():
+            draft = draft_model_of(argv)
+            if draft is not None:
+                await asyncio.to_thread(self._pair_check, self.config.engines[name].model, draft)
+
     def _misaligned(self, state: EngineState, argv: list[str], revision: str | None) -> str | None:
         """Checks the tokenizers of ``argv``'s draft model and the engine's target (once per pair of paths) and
         records the check; why the arguments are refused, or None."""
@@ -391,10 +441,7 @@ class EngineSupervisor:
             state.tokenizer = None
             return None
         spec = self.config.engines[state.name]
-        pair = (spec.model, draft)
-        if pair not in self._pairs:
-            self._pairs[pair] = tokenizer_check(*pair)
-        state.tokenizer = self._pairs[pair]
+        state.tokenizer = self._pair_check(spec.model, draft)
         if state.tokenizer["aligned"] is not False or spec.heterogeneous_vocabulary:
             return None
         return (f"revision {revision}'s draft model {draft} has another tokenizer than the target {spec.model}: "
@@ -410,6 +457,7 @@ class EngineSupervisor:
             process.start()
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             state.state, state.last_error = "failed", f"cannot start {argv[0]!r}: {exc}"
+            state.error_revision = revision
             log.error("engine %s: %s", state.name, state.last_error)
             return False
         state.argv, state.revision, state.process, state.state = argv, revision, process, "starting"
@@ -433,7 +481,7 @@ class EngineSupervisor:
             state.state = "serving"
             self.pools.release(state.url)
         else:
-            state.state, state.last_error = "failed", error
+            state.state, state.last_error, state.error_revision = "failed", error, state.revision
             log.error("engine %s did not come up: %s", state.name, error)
         self._changed()
 
@@ -465,6 +513,7 @@ class EngineSupervisor:
                 state.state = "restarting"
                 state.crashes += 1
                 state.last_error = f"exited with {code} while serving (log {self.log_dir / (state.name + '.log')})"
+                state.error_revision = state.revision
                 log.error("engine %s %s: starting it again", state.name, state.last_error)
                 self.pools.hold(state.url)
                 self._changed()
@@ -514,7 +563,7 @@ class EngineSupervisor:
         error = await self._healthy(state) if self._launch(state, argv, revision) else state.last_error
         if error is None:
             state.restarts += 1
-            state.state, state.last_error = "serving", None
+            state.state, state.last_error, state.error_revision = "serving", None, None
             self.pools.release(state.url)
             log.info("engine %s serving with config %s", state.name, config_hash(argv))
             self._changed()
@@ -522,6 +571,7 @@ class EngineSupervisor:
         state.failed_restarts += 1
         state.refused[config_hash(argv)] = time.monotonic()
         state.last_error = f"the new arguments did not come up: {error}; back on the previous ones"
+        state.error_revision = revision
         log.error("engine %s: %s", state.name, state.last_error)
         if state.process is not None:
             await state.process.stop(self.config.stop_timeout_s)

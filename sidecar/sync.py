@@ -625,7 +625,7 @@ class PolicySync:
 MAX_REPORTED_REPLICAS = 256
 # What a supervised engine's heartbeat report holds (the pid stays local: /metrics and the log have it).
 SUPERVISED_REPORT_FIELDS = frozenset({"engine", "state", "config_hash", "revision", "restarts", "failed_restarts",
-                                      "crashes", "last_error", "tokenizer"})
+                                      "crashes", "last_error", "error_revision", "tokenizer"})
 MAX_ENGINE_DESCRIPTION = 2048
 
 

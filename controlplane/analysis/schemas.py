@@ -109,7 +109,10 @@ class K0Tax(BaseModel):
 
 class K0Requests(BaseModel):
     engine: str | None = Field(description="the in-engine-scheduled engine that ran them (the one seen most)")
-    requests: int = Field(description="requests it ran at K=0 throughout (it reported drafting no token)")
+    requests: int = Field(description="requests decided into its K=0 band (the rules' catch-all)")
+    drafted_per_request: float | None = Field(description="tokens the engine drafted per such request all the "
+                                                          "same (it picks K by its own running batch, which the "
+                                                          "decision only estimates); null when none reported")
     measure: str | None = Field(description="what the tax read (e2e where both have min_samples requests, else "
                                             "itl); null below min_samples")
     tax: K0Tax | None
@@ -143,7 +146,8 @@ class SpeedupRow(BaseModel):
     acceptance_rate: float | None
     mean_acceptance_length: float | None
     theory: Theory | None
-    k0: K0Requests | None = Field(description="requests an in-engine-scheduled engine ran at K=0 (in neither "
+    k0: K0Requests | None = Field(description="requests decided into an in-engine-scheduled engine's K=0 band (in "
+                                              "neither "
                                               "cohort) and the K=0 tax over the plain cohort; null: none")
 
 

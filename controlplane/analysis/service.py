@@ -200,10 +200,9 @@ def _splits(session: Session, policy: Policy, flt: RollupFilter) -> dict[tuple[s
         split = splits[(row.key["route"], row.key["batch_bucket"])]
         cohort = _cohort(row)
         if row.key["k0"] and row.key["engine"] in facts.in_engine.get(row.key["revision"], ()):
-            # An in-engine schedule's K=0 band: neither speculation (nothing was drafted) nor the plain
-            # engine (the speculative engine's steps ran). Elsewhere a request that drafted nothing stays in
-            # its engine's cohort: an n-gram engine without a match, or a short answer, is what that
-            # engine is, and taking such requests out would flatter it.
+            # An in-engine schedule's K=0 band: neither speculation (decided not to draft) nor the plain
+            # engine (the speculative engine's steps ran). Chosen by the decision, as the holdout's explored
+            # plain requests are, never by what the engine drafted (that would gather the short answers).
             split.k0.add(cohort)
             split.k0_engines[row.key["engine"]] += cohort.requests
             continue

@@ -48,8 +48,9 @@ class EngineGate:
 
     ``status``: ``none`` (no live canary worker supervises its engines: judged from the step's start),
     ``ready`` (every one serves the revision's arguments), ``waiting`` (some are starting, draining,
-    restarting or stopped, or still on other arguments without an error), ``failed`` (some did not come up
-    with the revision's arguments, with an error: back on the previous ones, or down).
+    restarting or stopped, or still on other arguments without an error about this revision), ``failed`` (some
+    did not come up with the revision's arguments, with an error about them (``error_revision``): back on the
+    previous ones, or down).
     """
 
     status: str
@@ -94,10 +95,15 @@ def engine_gate(reports: Mapping[str, Sequence[Mapping[str, Any]]], to_revision:
             since = _time(report.get("serving_since"))
             if revision == to_revision and state == "serving" and since is not None:
                 ready.append((since, worker_id, str(name)))
-            elif revision != to_revision and report.get("last_error") and state in ("serving", "failed"):
+            elif not report.get("last_error") or report.get("error_revision") != to_revision:
+                # No error about this revision's arguments (one left from before, a crash of the previous
+                # arguments, is no verdict on the canary): on its way, or not there yet.
+                waiting.append(f"worker {worker_id}: engine {name} {state} "
+                               f"(on revision {str(revision)[:12] if revision else 'none'})")
+            elif revision != to_revision and state in ("serving", "failed"):
                 failed.append(f"worker {worker_id}: engine {name} cannot run revision {short}'s arguments "
                               f"({report['last_error']})")
-            elif state == "failed" and report.get("last_error"):
+            elif state == "failed":
                 # Down on the revision's own arguments and not coming back: the fallback engine would answer
                 # for it for as long as the canary runs.
                 failed.append(f"worker {worker_id}: engine {name} is down on revision {short}'s arguments "

@@ -185,7 +185,7 @@ Text = Annotated[str | None, Query(max_length=128, pattern=NO_CONTROL)]
 @router.get(
     "/rollups", response_model=RollupReport, responses=INVALID_RESPONSE,
     description="Merged per-minute rollups, grouped by any of minute, policy, revision, route, engine, "
-                "batch_bucket, explored, k0 (the engine drafted nothing for the requests). A rollup minute counts "
+                "batch_bucket, explored, k0 (decided into a speculative engine's K=0 band). A rollup minute counts "
                 "when `from <= minute < to`. Latency quantiles "
                 "come from the merged histograms (fixed log buckets, 35 % wide).",
 )
@@ -193,7 +193,7 @@ def rollups(
     session: SessionDep, _: Reader,
     policy: Text = None, revision: Text = None, route: Text = None, engine: Text = None,
     explored: bool | None = None,
-    k0: Annotated[bool | None, Query(description="only requests an engine ran at K=0 throughout (true) or "
+    k0: Annotated[bool | None, Query(description="only requests decided into an engine's K=0 band (true) or "
                                                  "not (false)")] = None,
     start: Annotated[str | None, Query(alias="from", max_length=64, json_schema_extra={"format": "date-time"},
                                        description="ISO 8601 date-time; no zone means UTC")] = None,

@@ -94,7 +94,8 @@ class RollupKeyRead(BaseModel):
     batch_bucket: int | None = Field(None, description="lower bound of the batch-size bucket")
     batch_range: str | None = Field(None, description="the batch-size bucket, e.g. '3-4' or '65+'")
     explored: bool | None = None
-    k0: bool | None = Field(None, description="the engine drafted nothing for these requests: every step ran at K=0")
+    k0: bool | None = Field(None, description="requests decided into a speculative engine's K=0 band (an "
+                                                 "in-engine schedule's catch-all)")
 
 
 class RollupGroupRead(BaseModel):

@@ -90,7 +90,11 @@ class TokenizerCheckReport(BaseModel):
     draft: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=NO_CONTROL)] = Field(
         description="the draft model's path on the worker")
     differences: list[Difference] = Field(default=[], max_length=8,
-                                          description="what differs, or why it was not checked")
+                                          description="what makes the draft's ids mean other text (the pair is "
+                                                      "misaligned), or why it was not checked")
+    notes: list[Difference] = Field(default=[], max_length=8,
+                                    description="what differs without changing what an id means: special token "
+                                                "roles, the chat template (the server uses the target's)")
 
 
 class SupervisedEngineReport(BaseModel):
@@ -113,6 +117,9 @@ class SupervisedEngineReport(BaseModel):
     last_error: ErrorText | None = Field(None, description="why the last start or restart failed, or why the "
                                                            "latest policy was not applied; null once it serves "
                                                            "with new arguments")
+    error_revision: Short | None = Field(None, description="the policy revision whose arguments last_error is "
+                                                           "about (a refused or failed restart, a crash); null "
+                                                           "without an error, or from a sidecar that does not say")
     tokenizer: TokenizerCheckReport | None = Field(None, description="the tokenizer check of the draft model in "
                                                                      "the arguments the engine runs or was last asked "
                                                                      "to run; null: no draft model")
@@ -190,6 +197,7 @@ class TokenizerCheckRead(BaseModel):
     aligned: bool | None
     draft: str
     differences: list[str]
+    notes: list[str] = []
 
 
 class SupervisedEngineRead(BaseModel):
@@ -201,6 +209,7 @@ class SupervisedEngineRead(BaseModel):
     failed_restarts: int
     crashes: int
     last_error: str | None
+    error_revision: str | None = Field(None, description="the revision whose arguments last_error is about")
     tokenizer: TokenizerCheckRead | None = Field(None, description="the tokenizer check of its draft model (null: "
                                                                    "no draft model, or reported before the check)")
     # A default: reports stored before the control plane stamped them have none.

@@ -68,7 +68,9 @@ def _tokenizer(engine: SupervisedEngine) -> str:
         return "-"  # no draft model
     if check.aligned is None:
         return "not checked: " + "; ".join(check.differences)
-    return "aligned" if check.aligned else "misaligned: " + "; ".join(check.differences)
+    if check.aligned:
+        return "aligned" + "".join(f"; note: {note}" for note in check.notes)
+    return "misaligned: " + "; ".join(check.differences)
 
 
 def _fleet(session: ui.Session, fleet: Fleet) -> None:

@@ -1,4 +1,4 @@
-"""k0 rollups: requests an engine ran without drafting get rollup rows of their own
+"""k0 rollups: requests decided into a speculative engine's K=0 band get rollup rows of their own
 
 Revision ID: 20261207_0003
 Revises: 20261207_0002
@@ -40,8 +40,8 @@ def _histograms_kept() -> Iterator[None]:
 
 
 def upgrade() -> None:
-    # Rows from before are false: nothing then told a request that drafted nothing from one that drafted;
-    # they stay in the speculative cohorts as they were counted.
+    # Rows from before are false: nothing then told a K=0-band request apart; they stay in the cohorts they
+    # were counted in.
     with _histograms_kept(), op.batch_alter_table("telemetry_rollups", schema=None) as batch_op:
         batch_op.add_column(sa.Column("k0", sa.Boolean(), nullable=False, server_default=sa.false()))
         batch_op.drop_constraint("uq_telemetry_rollups_key", type_="unique")

@@ -39,4 +39,6 @@ def check_pair(target: Annotated[Path, typer.Option(help="the target model's dir
             typer.echo(f"  - {difference}")
         for example in report.examples:
             typer.echo(f"    e.g. {example['token']!r}: target id {example['target']}, draft id {example['draft']}")
+        for note in report.notes:
+            typer.echo(f"  note: {note}")
     raise typer.Exit(0 if report.aligned else 1)

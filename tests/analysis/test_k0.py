@@ -11,7 +11,7 @@ import pytest
 from analysis import edits
 from analysis.cells import Cell, Cohort
 from analysis.recommend import RecommendConfig, recommend
-from analysis.rollup import aggregate, ran_at_k0
+from analysis.rollup import aggregate, decided_k0
 from policies import RequestShape, canonical_document, compile_policy, load_policy, revision_id
 from tests.support.cohorts import requests
 from wire.telemetry import TelemetryEvent
@@ -46,13 +46,15 @@ def _event(**changes: object) -> TelemetryEvent:
     return TelemetryEvent.model_validate(data)
 
 
-def test_a_request_runs_at_k0_only_when_the_engine_says_it_drafted_nothing_over_several_tokens() -> None:
-    assert ran_at_k0(_event())
-    assert not ran_at_k0(_event(spec_draft_tokens=12, spec_accepted_tokens=7))  # it drafted
-    assert not ran_at_k0(_event(spec_draft_tokens=None, spec_accepted_tokens=None, spec_steps=None))  # unreported
-    assert not ran_at_k0(_event(completion_tokens=1))  # one token: no step it could have drafted in
-    assert not ran_at_k0(_event(completion_tokens=None))
-    keys = aggregate([_event(event_id="a"), _event(event_id="b", spec_draft_tokens=9, spec_accepted_tokens=3),
+def test_a_request_is_k0_when_decided_not_to_draft_on_an_engine_that_reports_drafting() -> None:
+    assert decided_k0(_event())
+    assert decided_k0(_event(completion_tokens=1))  # by the decision: a short answer is no different
+    assert decided_k0(_event(spec_draft_tokens=6, spec_accepted_tokens=2))  # the engine's batch said otherwise
+    assert not decided_k0(_event(speculate=True, num_speculative_tokens=3))  # drafting decided, however it went
+    assert not decided_k0(_event(engine="base", spec_draft_tokens=None, spec_accepted_tokens=None,
+                                 spec_steps=None))  # a plain engine reports no speculative metrics
+    keys = aggregate([_event(event_id="a"), _event(event_id="b", speculate=True, num_speculative_tokens=3,
+                                                   spec_draft_tokens=0, spec_accepted_tokens=0),
                       _event(event_id="c")])
     by_k0 = {key[-1]: delta.totals.requests for key, delta in keys.items()}
     assert by_k0 == {True: 2, False: 1}
@@ -152,3 +154,48 @@ def test_cells_carry_their_k0_cohort_through_a_file() -> None:
     again = Cell.from_dict(cell.to_dict())
     assert (again.k0.requests, again.k0_engine) == (500, "draft")
     assert again.k0.e2e == cell.k0.e2e
+
+
+TWO_ROUTES = """\
+apiVersion: specgate/v1
+name: pool
+engines:
+  base: {method: none}
+  ngram: {method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 3}
+  draft: {method: draft_model, model: models/draft, num_speculative_tokens: 3, schedule: in_engine}
+rules:
+  - name: chat-small
+    when: {route: [chat], batch_size: {max: 4}}
+    then: {engine: draft}
+  - name: extract-small
+    when: {route: [extract], batch_size: {max: 4}}
+    then: {engine: draft}
+  - name: docs
+    when: {route: [extract, summarize]}
+    then: {engine: ngram}
+default: {engine: base}
+"""
+
+
+def test_routing_around_is_not_proposed_when_another_routes_band_would_then_speculate() -> None:
+    # chat's K=0 band is taxed; without the schedule extract's band would fall to the n-gram rule.
+    doc = load_policy(TWO_ROUTES)
+    recs = recommend(canonical_document(doc), revision_id(doc), _cells(random.Random(9), k0_e2e=1700.0))
+    assert not any(r.kind == "route_instead" for r in recs)
+    # Without that rule the same evidence routes around.
+    plain = load_policy(TWO_ROUTES.replace("    when: {route: [extract, summarize]}\n    then: {engine: ngram}\n",
+                                           "    when: {route: [summarize]}\n    then: {engine: ngram}\n"))
+    recs = recommend(canonical_document(plain), revision_id(plain), _cells(random.Random(9), k0_e2e=1700.0))
+    assert [r.kind for r in recs] == ["route_instead"]
+
+
+def test_routing_around_is_not_proposed_for_a_schedule_of_several_ks() -> None:
+    # K 3 up to batch 4, K 1 up to 16: routed, the engine would draft 3 where the schedule says 1.
+    text = IN_ENGINE.format(default="base").replace(
+        "    then: {engine: draft}\n",
+        "    then: {engine: draft}\n  - name: chat-mid\n    when: {route: [chat], batch_size: {min: 5, max: 16}}\n"
+        "    then: {engine: draft, num_speculative_tokens: 1}\n")
+    doc = load_policy(text)
+    recs = recommend(canonical_document(doc), revision_id(doc), _cells(random.Random(10), k0_e2e=1700.0))
+    assert not any(r.kind == "route_instead" for r in recs)
+

@@ -306,7 +306,7 @@ def test_a_canary_whose_engine_cannot_run_the_revision_is_rolled_back(
     rollout = start(client, operator, rev1)
     # vLLM refused the new arguments: back on the previous revision's (or down), with the error.
     beat(client, worker_key, "w-1", rev1, report("base", rev1, config_hash=BASE_HASH),
-         report("draft", rev0, state, failed_restarts=1, last_error=REFUSED))
+         report("draft", rev0, state, failed_restarts=1, last_error=REFUSED, error_revision=rev1))
     beat(client, worker_key, "w2", rev1, report("draft", rev1, "restarting", config_hash=NEW_HASH))
 
     evaluation = look(client, operator, rollout["id"])
@@ -415,8 +415,10 @@ def test_engines_on_their_way_wait(engine: dict[str, Any]) -> None:
 @pytest.mark.parametrize("state", ["serving", "failed"])
 def test_an_engine_left_on_other_arguments_with_an_error_fails_the_gate(state: str) -> None:
     gate = engine_gate({"w1": [report("draft", "r1", "restarting")],
-                        "w2": [report("draft", "r0", state, failed_restarts=1, last_error="vLLM exited with 1")],
-                        "w3": [report("base", None, state, last_error="revision r1 cannot be rendered")]},
+                        "w2": [report("draft", "r0", state, failed_restarts=1, last_error="vLLM exited with 1",
+                                      error_revision="r1")],
+                        "w3": [report("base", None, state, last_error="revision r1 cannot be rendered",
+                                      error_revision="r1")]},
                        "r1", START)
     assert gate.status == "failed"
     assert gate.detail == ("worker w2: engine draft cannot run revision r1's arguments (vLLM exited with 1); "
@@ -429,7 +431,8 @@ def test_an_engine_left_on_other_arguments_with_an_error_fails_the_gate(state: s
 
 def test_an_engine_down_on_the_revisions_own_arguments_fails_the_gate() -> None:
     gate = engine_gate({"w1": [served("base", "r1", START)],
-                        "w2": [report("draft", "r1", "failed", last_error="exited with -9")]}, "r1", START)
+                        "w2": [report("draft", "r1", "failed", last_error="exited with -9", error_revision="r1")]},
+                       "r1", START)
     assert gate.status == "failed"
     assert gate.detail == "worker w2: engine draft is down on revision r1's arguments (exited with -9)"
 
@@ -440,3 +443,16 @@ def test_a_large_canary_names_ten_engines_and_counts_the_rest() -> None:
     assert "worker w09:" in gate.detail
     assert "worker w10:" not in gate.detail
     assert gate.detail.endswith("; and 15 more")
+
+
+@pytest.mark.parametrize("engine", [
+    # a crash of the previous arguments, revived and serving them while the new bundle's restart waits its turn
+    report("draft", "r0", "serving", crashes=1, last_error="exited with -9 while serving", error_revision="r0"),
+    # a refusal of an earlier revision's arguments, still shown
+    report("draft", "r0", "serving", failed_restarts=1, last_error="vLLM exited with 1", error_revision="rX"),
+    # a sidecar that does not say which revision its error is about
+    report("draft", "r0", "serving", failed_restarts=1, last_error="vLLM exited with 1"),
+])
+def test_an_error_about_other_arguments_is_no_verdict_on_the_canary(engine: dict[str, Any]) -> None:
+    gate = engine_gate({"w1": [engine]}, "r1", START)
+    assert gate.status == "waiting"

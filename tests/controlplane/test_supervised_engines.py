@@ -196,7 +196,8 @@ def test_the_tokenizer_check_of_a_draft_model_is_shown_per_engine(
         client: TestClient, admin: dict[str, str], worker_key: dict[str, str], running: tuple[str, str]) -> None:
     revision, etag = running
     misaligned = {"aligned": False, "draft": "/models/other-draft",
-                  "differences": ["draft has 32,000 tokens, target 32,064", "64 ids differ", "eos differs"]}
+                  "differences": ["draft has 32,000 tokens, target 32,064", "64 ids differ"],
+                  "notes": ["eos differs (target '</s>' id 2, draft '<|end|>' id 7)"]}
     beat(client, worker_key, {"active_revision": revision, "active_etag": etag, "supervised_engines": [
         engine("base", revision),
         engine("draft", "r-old", failed_restarts=1, last_error="refused", tokenizer=misaligned)]})

@@ -117,10 +117,9 @@ def recompute_from_raw(engine: Engine) -> tuple[dict[tuple[Any, ...], dict[str, 
         rows = conn.execute(select(TelemetryEventRecord.__table__)).mappings().all()
     for r in rows:
         t = r["time"].astimezone(dt.UTC)
-        ran_without_drafts = (r["spec_draft_tokens"] == 0 and r["completion_tokens"] is not None
-                              and r["completion_tokens"] >= 2)
+        k0_band = not r["speculate"] and r["spec_draft_tokens"] is not None
         key = (t.replace(second=0, microsecond=0), r["policy"], r["revision"], r["route"], r["engine"],
-               expected_bucket(r["batch_size"]), r["explored"], ran_without_drafts)
+               expected_bucket(r["batch_size"]), r["explored"], k0_band)
         c = counters[key]
         c["requests"] += 1
         c["ok"] += r["status"] == "ok"
@@ -475,7 +474,7 @@ def random_event(rng: random.Random, n: int) -> dict[str, Any]:
         prompt_tokens=maybe(rng.randint(1, 4000)), completion_tokens=completion,
         ttft_ms=maybe(rng.lognormvariate(4.5, 1.0)), itl_ms=maybe(rng.lognormvariate(2.5, 0.6)),
         e2e_ms=rng.choice([0.0, rng.lognormvariate(6.5, 1.0), rng.uniform(0, 0.2), 2e5]),
-        # a quarter of the reported drafts are none at all: the k0 key (an in-engine schedule's K=0 band)
+        # a quarter of the reported drafts are none at all, as in an in-engine schedule's K=0 band
         spec_draft_tokens=maybe(rng.choice([0, rng.randint(0, 400), rng.randint(0, 400), rng.randint(0, 400)]), 0.3),
         spec_accepted_tokens=maybe(rng.randint(0, 300), 0.1),
         spec_steps=maybe(rng.randint(0, 100), 0.3),

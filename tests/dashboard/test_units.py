@@ -84,7 +84,8 @@ def test_speedup_rows_show_the_k0_tax_only_where_an_engine_ran_requests_at_k0() 
     from apiclient.models import SpeedupReport
     from dashboard.views.common import speedup_rows
 
-    tax = {"engine": "draft", "requests": 400, "measure": "e2e", "tax": {"ratio": 1.71, "low": 1.62, "high": 1.8}}
+    tax = {"engine": "draft", "requests": 400, "drafted_per_request": 0.1, "measure": "e2e",
+           "tax": {"ratio": 1.71, "low": 1.62, "high": 1.8}}
     report = SpeedupReport.model_validate({"policy": "p", "rows": [
         _speedup_row("chat", "1", None), _speedup_row("chat", "9-16", tax),
         _speedup_row("chat", "17-32", {**tax, "tax": None, "requests": 12})]})

@@ -45,17 +45,29 @@ def test_the_same_tokens_under_other_ids_and_other_specials_are_each_named(tmp_p
     report = check_pair(target, draft)
     assert not report.aligned
     assert report.differences == [
-        f"2 ids differ (token-to-id maps {report.target['map_hash'][:12]} and {report.draft['map_hash'][:12]})",
-        "eos differs (target '<|end|>' id 2, draft '<|user|>' id 1)",
-        "chat template differs (the draft has none)",
-    ]
+        f"2 ids differ (token-to-id maps {report.target['map_hash'][:12]} and {report.draft['map_hash'][:12]})"]
+    assert report.notes == ["eos differs (target '<|end|>' id 2, draft '<|user|>' id 1)",
+                            "chat template differs (the draft has none)"]
     assert {e["token"] for e in report.examples} == {"tok0", "zzz"}
 
 
-def test_a_different_chat_template_alone_is_a_difference(tmp_path: Path) -> None:
+def test_other_special_roles_or_chat_template_alone_are_notes_not_a_misalignment(tmp_path: Path) -> None:
+    # An Instruct target with a base draft of its family: the same ids, other roles and no template. The
+    # server reads prompts and stop tokens with the target's tokenizer, so the draft drafts the same ids.
     report = check_pair(write_model(tmp_path / "t", WORDS),
-                        write_model(tmp_path / "d", WORDS, template=TEMPLATE.replace("assistant", "bot")))
-    assert report.differences == ["chat template differs"]
+                        write_model(tmp_path / "d", WORDS, eos="<|pad|>", template=TEMPLATE.replace("assistant", "x")))
+    assert report.aligned
+    assert report.differences == []
+    assert report.notes == ["eos differs (target '<|end|>' id 2, draft '<|pad|>' id 0)", "chat template differs"]
+    assert report.describe().endswith("but eos differs (target '<|end|>' id 2, draft '<|pad|>' id 0); chat "
+                                      "template differs (the server uses the target's)")
+
+
+def test_a_file_that_is_not_text_is_unreadable_not_a_crash(tmp_path: Path) -> None:
+    broken = write_model(tmp_path / "d", WORDS)
+    (broken / "chat_template.jinja").write_bytes(b"\xff\xfe\x00 not utf-8")
+    with pytest.raises(TokenizerUnreadable, match="cannot read the tokenizer"):
+        read_tokenizer(broken)
 
 
 @pytest.mark.parametrize("fmt", ["unigram", "vocab"])
@@ -94,7 +106,7 @@ def test_check_pair_command_exit_codes_text_and_json(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["check-pair", "--target", str(target), "--draft", str(other)])
     assert bad.exit_code == 1
     assert "  - draft has 204 tokens, target 203" in bad.output
-    assert "  - eos differs (target '<|end|>' id 2, draft '<|pad|>' id 0)" in bad.output
+    assert "  note: eos differs (target '<|end|>' id 2, draft '<|pad|>' id 0)" in bad.output
     as_json = runner.invoke(app, ["check-pair", "--target", str(target), "--draft", str(other), "--json"])
     assert as_json.exit_code == 1
     body = json.loads(as_json.output)

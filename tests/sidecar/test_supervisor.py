@@ -181,6 +181,7 @@ def test_new_arguments_that_do_not_come_up_go_back_to_the_old_ones_and_say_why(
     assert supervisor.engines["base"].report()["revision"] == "r-bad"
     assert "the new arguments did not come up: it exited with 1" in report["last_error"]
     assert "back on the previous ones" in report["last_error"]
+    assert report["error_revision"] == "r-bad"  # the error is about r-bad's arguments, not the r3 it runs
     assert "draft model 'models/missing-draft' not found" in (Path(config.log_dir or "") / "draft.log").read_text()
     answer = chat(sidecar.url)
     assert served_config(answer)["num_speculative_tokens"] == 3
@@ -310,6 +311,7 @@ def test_an_engine_that_dies_while_serving_is_started_again(supervised: Any, loo
     report = supervisor.engines["draft"].report()
     assert report["pid"] != first
     assert "exited with -9 while serving" in report["last_error"]
+    assert report["error_revision"] == "r3"  # a crash of the arguments it runs
     assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 3
 
 
@@ -522,7 +524,8 @@ def test_an_aligned_draft_starts_and_says_so(tmp_path: Path, loop_thread: LoopTh
     try:
         report = supervisor.engines["draft"].report()
         assert report["state"] == "serving"
-        assert report["tokenizer"] == {"aligned": True, "draft": str(tmp_path / "local-draft"), "differences": []}
+        assert report["tokenizer"] == {"aligned": True, "draft": str(tmp_path / "local-draft"), "differences": [],
+                                       "notes": []}
         assert supervisor.engines["base"].report()["tokenizer"] is None  # no draft model
         assert served_config(chat(sidecar.url))["num_speculative_tokens"] == 3
         sidecar.app.metrics.supervisor = supervisor  # as the sidecar's start does with --supervise
@@ -574,7 +577,7 @@ def test_heterogeneous_vocabulary_lets_a_misaligned_draft_start_and_still_report
 def test_a_policy_that_brings_a_misaligned_draft_keeps_the_engine_on_its_arguments(
         tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFactory) -> None:
     sidecar, supervisor, _ = _start(tmp_path, loop_thread, make_sidecar, draft_tokens=WORDS)
-    other = write_model(tmp_path / "other-draft", WORDS, eos="<|user|>")
+    other = write_model(tmp_path / "other-draft", ["zz", *WORDS[1:]])
     try:
         before = supervisor.engines["draft"].report()
         supervisor.config.models["models/other"] = str(other)
@@ -583,9 +586,33 @@ def test_a_policy_that_brings_a_misaligned_draft_keeps_the_engine_on_its_argumen
         assert (report["state"], report["revision"], report["config_hash"]) == ("serving", "r3",
                                                                                 before["config_hash"])
         assert (report["restarts"], report["failed_restarts"]) == (0, 1)
-        assert "eos differs" in report["last_error"]
+        assert "2 ids differ" in report["last_error"]
         assert "keeps its previous arguments" in report["last_error"]
+        assert report["error_revision"] == "r-other"
         assert report["tokenizer"]["draft"] == str(other)
         assert served_config(chat(sidecar.url))["model"] == str(tmp_path / "local-draft")
+    finally:
+        loop_thread.run(supervisor.stop(), timeout=30)
+
+
+def test_a_draft_replaced_in_place_is_checked_again_and_a_bad_directory_is_not_checked(
+        tmp_path: Path, loop_thread: LoopThread, make_sidecar: SidecarFactory) -> None:
+    _, supervisor, _ = _start(tmp_path, loop_thread, make_sidecar, draft_tokens=WORDS)
+    try:
+        draft_dir = tmp_path / "local-draft"
+        time.sleep(0.01)  # a new modification time
+        write_model(draft_dir, [*WORDS, "extra"])
+        loop_thread.run(supervisor.apply(policy(2), "r2"), timeout=60)
+        report = supervisor.engines["draft"].report()
+        assert report["tokenizer"]["aligned"] is False  # not the first check's answer, cached
+        assert (report["revision"], report["failed_restarts"]) == ("r3", 1)
+        # A chat template that is not text: reported as not checked, never a supervision failure.
+        write_model(draft_dir, WORDS)
+        (draft_dir / "chat_template.jinja").write_bytes(b"\xff\xfe not text")
+        loop_thread.run(supervisor.apply(policy(4), "r4"), timeout=60)
+        report = supervisor.engines["draft"].report()
+        assert report["tokenizer"]["aligned"] is None
+        assert report["tokenizer"]["differences"][0].startswith("not checked: ")
+        assert (report["state"], report["revision"]) == ("serving", "r4")
     finally:
         loop_thread.run(supervisor.stop(), timeout=30)
