@@ -16,6 +16,7 @@ from statistics import NormalDist
 from typing import Any
 
 from analysis.histogram import quantile
+from analysis.rollup import SHADOW_COUNTERS
 from analysis.stats import LogMoments, RatioEstimate, log_moments, welch_ratio
 
 # How much more often clients may go away on one arm than on the other before that arm's latencies stop
@@ -47,13 +48,23 @@ class Cohort:
     itl_ms_sum: float = 0.0
     itl_count: int = 0
     e2e_ms_sum: float = 0.0
+    # shadow comparisons (the policy's ``quality``): the plain engine's answer to the same greedy request
+    shadow_compared: int = 0
+    shadow_matched: int = 0
+    shadow_first_diff_sum: int = 0
+    shadow_first_diff_count: int = 0
+    shadow_structured_checked: int = 0
+    shadow_structured_valid_served: int = 0
+    shadow_structured_valid_plain: int = 0
+    shadow_check_run: int = 0
+    shadow_check_failed: int = 0
     itl: dict[int, int] = field(default_factory=dict)
     e2e: dict[int, int] = field(default_factory=dict)
     ttft: dict[int, int] = field(default_factory=dict)
 
     _SCALARS = ("requests", "errors", "client_disconnects", "retries", "fallbacks", "structured_checked",
                 "structured_valid", "spec_reported", "draft_tokens", "accepted_tokens", "spec_steps_sum", "itl_ms_sum",
-                "itl_count", "e2e_ms_sum")
+                "itl_count", "e2e_ms_sum", *SHADOW_COUNTERS)
 
     @classmethod
     def from_rollup(cls, counters: Mapping[str, Any], histograms: Mapping[str, Mapping[int, int]]) -> Cohort:
@@ -66,7 +77,9 @@ class Cohort:
             spec_steps_sum=int(counters["spec_steps_sum"]), itl_ms_sum=float(counters["itl_ms_sum"]),
             itl_count=int(counters["itl_count"]), e2e_ms_sum=float(counters["e2e_ms_sum"]),
             itl=dict(histograms.get("itl", {})), e2e=dict(histograms.get("e2e", {})),
-            ttft=dict(histograms.get("ttft", {})))
+            ttft=dict(histograms.get("ttft", {})),
+            # counters recorded before shadow comparisons have none: nothing was compared
+            **{name: int(counters.get(name, 0)) for name in SHADOW_COUNTERS})
 
     def add(self, other: Cohort) -> Cohort:
         for name in self._SCALARS:
@@ -112,6 +125,17 @@ class Cohort:
     @property
     def structured_validity(self) -> float | None:
         return self._ratio(self.structured_valid, self.structured_checked)
+
+    @property
+    def shadow_match_rate(self) -> float | None:
+        """Shadow comparisons whose two answers matched, per comparison."""
+        return self._ratio(self.shadow_matched, self.shadow_compared)
+
+    @property
+    def shadow_first_diff_mean(self) -> float | None:
+        """Output tokens the two answers shared before they first differed, on average over the differing
+        comparisons that counted them."""
+        return self._ratio(self.shadow_first_diff_sum, self.shadow_first_diff_count)
 
     @property
     def itl_mean(self) -> float | None:

@@ -6,7 +6,9 @@ fixed-sample test repeated like that raises false alarms far above its level,
 so each guardrail is a mixture sequential probability ratio test
 (:func:`analysis.stats.msprt`), whose error bound holds at any
 number of looks. The guardrails share the level ``alpha`` (Bonferroni:
-``alpha / 4`` each), so a step that is as good as its baseline is rolled back
+``alpha / 4`` each, ``alpha / 5`` when the policy sets a minimum shadow match
+rate: that check exists only then, so the looks of every other policy stay
+what they were), so a step that is as good as its baseline is rolled back
 with probability at most ``alpha`` over its whole life.
 
 The guardrails of the policy document (``guardrails``), what clients feel first:
@@ -24,6 +26,13 @@ The guardrails of the policy document (``guardrails``), what clients feel first:
 - ``min_acceptance_rate`` m (optional): breach when the canary's acceptance
   (accepted / drafted tokens) is below m with confidence (binomial variance
   over requests, which bounds the variance of a mean of per-request rates).
+- ``min_shadow_match_rate`` m (optional; ``min_shadow_match``): breach when
+  the share of the canary's shadow comparisons (the policy's ``quality``: the
+  plain engine's answer to the same greedy request) whose answers matched is
+  below m with confidence (binomial variance over comparisons). It waits for
+  :data:`MIN_SHADOW_COMPARISONS` comparisons (fewer when ``min_samples`` is
+  smaller) rather than ``min_samples``: comparisons are a small sample of the
+  requests.
 
 A guardrail is ``pass`` when its always-valid interval lies wholly on the good
 side, ``breach`` as above, ``pending`` otherwise (or with fewer than
@@ -48,7 +57,14 @@ from analysis.cells import DISCONNECT_MARGIN, Cohort
 from analysis.stats import log_quantile_variance, msprt
 from policies.model import Guardrails
 
-GUARDRAILS = ("p95_e2e_regression", "p95_itl_regression", "retry_rate_increase", "min_acceptance")
+GUARDRAILS = ("p95_e2e_regression", "p95_itl_regression", "retry_rate_increase", "min_acceptance",
+              "min_shadow_match")
+# Shadow comparisons a minimum match rate waits for (or min_samples, if smaller). A policy samples at most 5 % of
+# its greedy speculative requests for them, so a canary holds twenty times fewer comparisons than requests or
+# fewer still: waiting for min_samples comparisons would hold a step many times longer than its other checks.
+# Below about 30 a binomial share is too far from normal for the test's variance, and a couple of chance
+# mismatches would decide.
+MIN_SHADOW_COMPARISONS = 30
 _P95_LABELS = {"e2e": "end-to-end latency", "itl": "ITL"}
 
 
@@ -147,14 +163,49 @@ def _acceptance(canary: Cohort, limit: float | None, alpha: float, min_samples: 
                  f"acceptance {a:.3f} on the canary (minimum {limit})")
 
 
+def _percent(share: float) -> str:
+    """A limit as a percentage with the digits it has: 0.995 is 99.5%, not a rounded 100%."""
+    return f"{share * 100:.4g}%"
+
+
+def _shadow_match(canary: Cohort, limit: float, alpha: float, min_compared: int) -> Check:
+    n, matched, rate = canary.shadow_compared, canary.shadow_matched, canary.shadow_match_rate
+    if rate is None:
+        return Check("min_shadow_match", "pending", limit, None, None, None,
+                     f"no shadow comparisons on the canary yet (minimum {_percent(limit)}; decided from "
+                     f"{min_compared} comparisons)")
+    counts = (f"{matched} of {n} shadow comparisons matched on the canary ({rate:.1%}; "
+              f"minimum {_percent(limit)})")
+    if n < min_compared:
+        return Check("min_shadow_match", "pending", limit, round(rate, 6), None, None,
+                     f"{counts}; waiting for {min_compared} comparisons")
+    # Floored at a quarter of one comparison's worth, as acceptance is: n matches out of n is not certainty.
+    variance = max(rate * (1 - rate), 0.25 / n) / n
+    # Breach when limit - rate > 0: the one-sided test on the shortfall.
+    test = msprt(limit - rate, variance, 0.0, alpha=alpha, tau=0.05)
+    # The rate's interval, within the shares it can take.
+    interval = (max(limit - test.ci_high, 0.0), min(limit - test.ci_low, 1.0))
+    return Check("min_shadow_match", _status(test.breach, test.clear), limit, round(rate, 6), interval,
+                 test.p_value, counts)
+
+
+def evaluated(guardrails: Guardrails) -> tuple[str, ...]:
+    """The guardrails a step of a policy with these limits is looked at on: every one but ``min_shadow_match``,
+    which only when the policy sets its minimum."""
+    if guardrails.min_shadow_match_rate is None:
+        return tuple(g for g in GUARDRAILS if g != "min_shadow_match")
+    return GUARDRAILS
+
+
 def evaluate_step(baseline: Cohort, canary: Cohort, guardrails: Guardrails, *, alpha: float) -> StepEvaluation:
     """Compare the canary cohort with the baseline cohort on the policy's guardrails (see the module doc)."""
-    each = alpha / len(GUARDRAILS)
+    names = evaluated(guardrails)
+    each = alpha / len(names)
     n = guardrails.min_samples
     if baseline.requests < n or canary.requests < n:
         detail = (f"waiting for {n} requests in each cohort (baseline {baseline.requests}, "
                   f"canary {canary.requests})")
-        checks = [Check(g, "pending", None, None, None, None, detail) for g in GUARDRAILS]
+        checks = [Check(g, "pending", None, None, None, None, detail) for g in names]
         return StepEvaluation("pending", checks, baseline.requests, canary.requests, alpha)
     e2e_limit = guardrails.max_p95_e2e_regression
     checks = [_p95(baseline, canary, guardrails.max_p95_itl_regression if e2e_limit is None else e2e_limit, each,
@@ -162,6 +213,9 @@ def evaluate_step(baseline: Cohort, canary: Cohort, guardrails: Guardrails, *, a
               _p95(baseline, canary, guardrails.max_p95_itl_regression, each),
               _retries(baseline, canary, guardrails.max_retry_rate_increase, each),
               _acceptance(canary, guardrails.min_acceptance_rate, each, n)]
+    shadow_limit = guardrails.min_shadow_match_rate
+    if shadow_limit is not None:
+        checks.append(_shadow_match(canary, shadow_limit, each, min(n, MIN_SHADOW_COMPARISONS)))
     if any(c.status == "breach" for c in checks):
         verdict = "breach"
     elif all(c.status == "pass" for c in checks):

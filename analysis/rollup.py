@@ -30,12 +30,23 @@ the same key merge by adding them (and that is what ingest does in SQL):
 ``itl_ms_sum``, ``itl_count``: sum and number of present ``itl_ms`` (a per-request mean)
 ``itl_weighted_ms_sum``    sum of ``itl_ms * max(completion_tokens - 1, 0)`` over events with both
 ``itl_weighted_tokens``    sum of ``max(completion_tokens - 1, 0)`` over the same events
+``shadow_compared``        ``shadow_match`` is not null (a shadow comparison: the policy's ``quality``)
+``shadow_matched``         ``shadow_match`` true
+``shadow_first_diff_sum/_count``: sum and number of present ``shadow_first_diff``
+``shadow_structured_checked``  both ``structured_valid`` and ``shadow_structured_valid`` present
+``shadow_structured_valid_served``  of those, ``structured_valid`` true (the answer the client got)
+``shadow_structured_valid_plain``   of those, ``shadow_structured_valid`` true (the plain engine's answer)
+``shadow_check_run``       ``shadow_check_passed`` is not null (a worker's quality check ran)
+``shadow_check_failed``    ``shadow_check_passed`` false
 =========================  ==========================================================
 
 So acceptance = ``accepted_tokens_sum / draft_tokens_sum``; the per-request
 mean ITL = ``itl_ms_sum / itl_count``; the token-weighted mean ITL (the mean
 gap between two output tokens over all tokens) =
-``itl_weighted_ms_sum / itl_weighted_tokens``.
+``itl_weighted_ms_sum / itl_weighted_tokens``; the shadow match rate =
+``shadow_matched / shadow_compared``. The structured-output pair is counted
+only where both answers were checked, so the two validity rates compare the
+same requests.
 
 Beside the counters, each rollup row has three latency histograms (``ttft``,
 ``itl``, ``e2e``) over :mod:`analysis.histogram`'s fixed
@@ -88,6 +99,15 @@ class Totals:
     itl_count: int = 0
     itl_weighted_ms_sum: float = 0.0
     itl_weighted_tokens: int = 0
+    shadow_compared: int = 0
+    shadow_matched: int = 0
+    shadow_first_diff_sum: int = 0
+    shadow_first_diff_count: int = 0
+    shadow_structured_checked: int = 0
+    shadow_structured_valid_served: int = 0
+    shadow_structured_valid_plain: int = 0
+    shadow_check_run: int = 0
+    shadow_check_failed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in COUNTERS}
@@ -96,6 +116,8 @@ class Totals:
 COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Totals))
 FLOAT_COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Totals) if f.type in (float, "float"))
 INT_COUNTERS: tuple[str, ...] = tuple(name for name in COUNTERS if name not in FLOAT_COUNTERS)
+# A cohort (analysis.cells) carries these under the same names.
+SHADOW_COUNTERS: tuple[str, ...] = tuple(name for name in COUNTERS if name.startswith("shadow_"))
 
 
 def minute_of(time: dt.datetime) -> dt.datetime:
@@ -202,4 +224,25 @@ def aggregate(events: Iterable[TelemetryEvent]) -> dict[RollupKey, RollupDelta]:
                 gaps = completion - 1 if completion > 1 else 0
                 t.itl_weighted_ms_sum += itl * gaps
                 t.itl_weighted_tokens += gaps
+        match = ev.shadow_match
+        if match is not None:
+            t.shadow_compared += 1
+            if match:
+                t.shadow_matched += 1
+        first_diff = ev.shadow_first_diff
+        if first_diff is not None:
+            t.shadow_first_diff_sum += first_diff
+            t.shadow_first_diff_count += 1
+        plain_valid = ev.shadow_structured_valid
+        if plain_valid is not None and ev.structured_valid is not None:
+            t.shadow_structured_checked += 1
+            if ev.structured_valid:
+                t.shadow_structured_valid_served += 1
+            if plain_valid:
+                t.shadow_structured_valid_plain += 1
+        check = ev.shadow_check_passed
+        if check is not None:
+            t.shadow_check_run += 1
+            if not check:
+                t.shadow_check_failed += 1
     return out

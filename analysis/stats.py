@@ -15,6 +15,9 @@ a file, and the guardrail simulations in the tests.
   mixture) of one estimate against a margin; its p-value and confidence
   interval stay valid however often the data are looked at, which is what a
   guardrail evaluated every minute needs.
+- :func:`wilson_interval`: the Wilson score interval of a share (shadow
+  match rates: often near 1 and from few comparisons, where the normal
+  interval would reach past 1 or shrink to nothing).
 - :func:`leviathan_speedup`: the expected walltime improvement of speculative
   decoding for acceptance ``a``, draft length ``k`` and cost ratio ``c``.
 """
@@ -172,6 +175,21 @@ def msprt(estimate: float, variance: float, margin: float, *, alpha: float, tau:
     ratio = math.sqrt(v / (v + t2)) * math.exp(exponent)
     half = math.sqrt(2 * v * (v + t2) / t2 * (math.log(1 / alpha) + 0.5 * math.log((v + t2) / v)))
     return SequentialTest(estimate, v, margin, alpha, ratio, estimate - half, estimate + half)
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float] | None:
+    """The Wilson score interval of the share ``successes / n``; None when ``n`` is 0.
+
+    It stays within [0, 1] and keeps a width at 0 or n successes (20 of 20 matched is not certainty).
+    """
+    if n <= 0:
+        return None
+    z = _NORMAL.inv_cdf(0.5 + confidence / 2)
+    p = successes / n
+    z2n = z * z / n
+    centre = (p + z2n / 2) / (1 + z2n)
+    half = z / (1 + z2n) * math.sqrt(p * (1 - p) / n + z2n / (4 * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def leviathan_speedup(acceptance: float, k: int, cost_ratio: float) -> float:

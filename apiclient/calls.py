@@ -150,7 +150,7 @@ AUDIT = Endpoint("GET", "/v1/audit", AuditPage, query=("q", "action", "actor", "
 ROLLUPS = Endpoint("GET", "/v1/telemetry/rollups", RollupReport,
                    query=("group_by", "from", "to", "policy", "revision", "route", "engine", "limit"))
 SUMMARY = Endpoint("GET", "/v1/analysis/summary", SummaryReport,
-                   query=("policy", "route", "group_by", "window", "from", "to"))
+                   query=("policy", "revision", "route", "group_by", "window", "from", "to", "limit"))
 SPEEDUPS = Endpoint("GET", "/v1/analysis/speedups", SpeedupReport,
                     query=("policy", "route", "rollout", "from", "to"))
 BEFORE_AFTER = Endpoint("GET", "/v1/analysis/before-after", BeforeAfter,
@@ -301,9 +301,10 @@ def rollups(*, group_by: Sequence[str], since: When = None, until: When = None, 
 
 
 def summary(*, group_by: str, policy: str | None = None, route: str | None = None, window: str | None = None,
-            since: When = None, until: When = None) -> Call[SummaryReport]:
-    return SUMMARY(params={"policy": policy, "route": route, "group_by": group_by, "window": window,
-                           **_window(since, until)})
+            since: When = None, until: When = None, revision: str | None = None,
+            limit: int | None = None) -> Call[SummaryReport]:
+    return SUMMARY(params={"policy": policy, "revision": revision, "route": route, "group_by": group_by,
+                           "window": window, **_window(since, until), "limit": limit})
 
 
 def speedups(policy: str, *, route: str | None = None, rollout: str | None = None, since: When = None,

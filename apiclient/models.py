@@ -358,6 +358,21 @@ class RollupReport(Answer):
     truncated: bool
 
 
+class ShadowSummary(Answer):
+    """Shadow comparisons of a summary row: the plain engine's answer to the same greedy request."""
+
+    compared: int
+    matched: int
+    match_rate: float
+    match_interval: list[float]  # [low, high], 95 % Wilson
+    first_diff_mean: float | None  # output tokens shared before the first difference, over the differing ones
+    structured_checked: int
+    structured_valid_served: float | None
+    structured_valid_plain: float | None
+    check_run: int
+    check_failed: int
+
+
 class SummaryRow(Answer):
     key: dict[str, Any]
     requests: int
@@ -368,6 +383,7 @@ class SummaryRow(Answer):
     error_rate: float | None
     client_disconnects: int
     client_disconnect_rate: float | None
+    shadow: ShadowSummary | None  # None: nothing compared
 
 
 class WorkerSummary(Answer):

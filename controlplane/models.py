@@ -299,6 +299,12 @@ class TelemetryEventRecord(Base):
     engine_ttft_ms: Mapped[float | None] = mapped_column(Float)
     engine_itl_ms: Mapped[float | None] = mapped_column(Float)
     engine_queue_ms: Mapped[float | None] = mapped_column(Float)
+    # a shadow comparison (the policy's ``quality``); all NULL on requests not compared, and on rows from before
+    shadow_match: Mapped[bool | None] = mapped_column(Boolean)
+    shadow_first_diff: Mapped[int | None] = mapped_column(Integer)
+    shadow_structured_valid: Mapped[bool | None] = mapped_column(Boolean)
+    shadow_check_passed: Mapped[bool | None] = mapped_column(Boolean)
+    shadow_check_reason: Mapped[str | None] = mapped_column(String(256))
     # where it came from
     batch_id: Mapped[str] = mapped_column(String(64))
     received_at: Mapped[dt.datetime] = mapped_column()
@@ -355,6 +361,16 @@ class TelemetryRollup(Base):
     itl_count: Mapped[int] = mapped_column(BigInteger)
     itl_weighted_ms_sum: Mapped[float] = mapped_column(Float)
     itl_weighted_tokens: Mapped[int] = mapped_column(BigInteger)
+    # shadow comparisons; 0 on rows from before them (nothing was compared then)
+    shadow_compared: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_matched: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_first_diff_sum: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_first_diff_count: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_structured_checked: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_structured_valid_served: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_structured_valid_plain: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_check_run: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shadow_check_failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class TelemetryRollupHistogram(Base):

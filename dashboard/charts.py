@@ -9,7 +9,7 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-from apiclient.models import Rollout, RollupGroup, RollupReport
+from apiclient.models import Rollout, RollupGroup, RollupReport, SummaryReport
 
 SPECULATIVE, PLAIN = "speculative", "plain"
 # Engine kinds keyed by (policy, engine); a rollup row whose pair is not known is judged by its decisions.
@@ -120,6 +120,40 @@ def latency_by_kind(report: RollupReport, kinds: EngineKinds) -> pd.DataFrame:
             for g in report.groups]
     df = pd.DataFrame(rows)
     return df.sort_values("requests", ascending=False) if not df.empty else df
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
+
+
+SHADOW_COLUMNS = ("route", "engine", "compared", "match rate", "95% interval", "first diff (tokens)",
+                  "structured compared", "structured valid: served", "structured valid: plain",
+                  "check failures")
+
+
+def shadow_table(report: SummaryReport) -> pd.DataFrame:
+    """The shadow comparisons of a summary grouped by route and engine: one row per pair that has any,
+    lowest match rate first (where the answers differ most is what to look at)."""
+    rows = []
+    for row in report.rows:
+        shadow = row.shadow
+        if shadow is None:
+            continue
+        low, high = shadow.match_interval
+        rows.append({
+            "route": row.key.get("route"), "engine": row.key.get("engine"), "compared": shadow.compared,
+            "match rate": _percent(shadow.match_rate), "95% interval": f"{low:.1%} - {high:.1%}",
+            "first diff (tokens)": None if shadow.first_diff_mean is None else round(shadow.first_diff_mean, 1),
+            "structured compared": shadow.structured_checked,
+            "structured valid: served": _percent(shadow.structured_valid_served),
+            "structured valid: plain": _percent(shadow.structured_valid_plain),
+            "check failures": f"{shadow.check_failed} of {shadow.check_run}" if shadow.check_run else "-",
+            "_rate": shadow.match_rate,
+        })
+    if not rows:
+        return pd.DataFrame(columns=list(SHADOW_COLUMNS))
+    df = pd.DataFrame(rows).sort_values(["_rate", "route", "engine"], kind="stable")
+    return df.drop(columns="_rate").reset_index(drop=True)
 
 
 # --- charts --------------------------------------------------------------------------------

@@ -47,7 +47,17 @@ def exploration_salt(policy_name: str, cohort_secret: str = "") -> str:
     a secret it is the hex HMAC-SHA256, keyed by the secret, of that same string: stable for as long as the
     secret is, and unpredictable without it.
     """
-    public = f"explore:{policy_name}"
+    return _salt(f"explore:{policy_name}", cohort_secret)
+
+
+def shadow_salt(policy_name: str, cohort_secret: str = "") -> str:
+    """The salt of a policy's shadow-comparison sample (``quality``): ``"shadow:" + policy_name``, keyed by
+    the secret as :func:`exploration_salt` is. Its own salt, so the shadowed requests are independent of the
+    explored ones."""
+    return _salt(f"shadow:{policy_name}", cohort_secret)
+
+
+def _salt(public: str, cohort_secret: str) -> str:
     if not cohort_secret:
         return public
     key = cohort_secret.encode("utf-8", errors="surrogatepass")
@@ -210,7 +220,7 @@ class CompiledPolicy:
     """A document compiled into one decision function; immutable once built."""
 
     __slots__ = ("document", "revision", "name", "decide", "kill_switch_decision",
-                 "fallback_engine", "_source")
+                 "fallback_engine", "_source", "shadow_rate", "_shadow_routes", "_shadow_salt")
 
     def __init__(self, document: PolicyDocument, revision: str, *, cohort_secret: str = "") -> None:
         self.document = document
@@ -223,6 +233,25 @@ class CompiledPolicy:
         fn, source = _build(document, revision, exploration_salt(document.name, cohort_secret))
         self.decide: Callable[[RequestShape], Decision] = fn
         self._source = source
+        quality = document.quality
+        self.shadow_rate = 0.0 if quality is None else quality.shadow_rate
+        self._shadow_routes = None if quality is None or quality.routes is None else frozenset(quality.routes)
+        self._shadow_salt = shadow_salt(document.name, cohort_secret)
+
+    def shadowed(self, shape: RequestShape, decision: Decision) -> bool:
+        """Whether a request so decided is sampled for a shadow comparison (``quality``): a speculative
+        decision on one of the section's routes (any route without a list) whose request id falls in the
+        sample, ``sticky_fraction(request_id, shadow_salt) < shadow_rate``. Whether the request can be compared
+        (greedy, one choice, served as decided) is the sidecar's to check."""
+        if not decision.speculate or self.shadow_rate <= 0.0:
+            return False
+        request_id = shape.request_id
+        if request_id is None:
+            return False
+        routes = self._shadow_routes
+        if routes is not None and shape.route not in routes:
+            return False
+        return sticky_fraction(request_id, self._shadow_salt) < self.shadow_rate
 
     def __repr__(self) -> str:
         return f"CompiledPolicy(name={self.name!r}, revision={self.revision[:12]!r})"

@@ -2,8 +2,9 @@
 
 Editors validate policies with it as people type. It states what the models
 state about each value on its own: types, required and unknown fields, bounds,
-lengths, name patterns and allowed values (and the one conditional field:
-exploring needs ``speculative_engine``). Rules that relate values to each other
+lengths, name patterns and allowed values (and two conditional fields:
+exploring needs ``speculative_engine``, a minimum shadow match rate needs
+``quality`` with a shadow rate above 0). Rules that relate values to each other
 (an engine a rule names must exist, a range's max is not below its min, rule
 names are unique, no rule is shadowed) cannot be written in JSON Schema;
 ``python -m policies validate`` and the control plane check those too.
@@ -43,6 +44,7 @@ def policy_schema() -> dict[str, Any]:
     _a_range_has_a_bound(defs["Range"])
     _rule_names_are_not_reserved(defs["Rule"])
     _exploring_names_its_engine(defs["Exploration"])
+    _a_shadow_guardrail_needs_shadows(schema)
     head = {
         "$schema": DIALECT,
         "$id": SCHEMA_ID,
@@ -88,6 +90,16 @@ def _a_range_has_a_bound(range_: dict[str, Any]) -> None:
 
 def _rule_names_are_not_reserved(rule: dict[str, Any]) -> None:
     rule["properties"]["name"]["not"] = {"enum": sorted(RESERVED_RULE_NAMES)}
+
+
+def _a_shadow_guardrail_needs_shadows(document: dict[str, Any]) -> None:
+    # validate.py: guardrails.min_shadow_match_rate is measured on shadow comparisons; two top-level fields.
+    assert {"guardrails", "quality"} <= document["properties"].keys()
+    document["if"] = {"required": ["guardrails"], "properties": {"guardrails": {
+        "type": "object", "required": ["min_shadow_match_rate"],
+        "properties": {"min_shadow_match_rate": {"type": "number"}}}}}
+    document["then"] = {"required": ["quality"], "properties": {"quality": {
+        "type": "object", "properties": {"shadow_rate": {"exclusiveMinimum": 0}}}}}
 
 
 def _exploring_names_its_engine(exploration: dict[str, Any]) -> None:

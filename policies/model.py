@@ -283,6 +283,21 @@ class Exploration(_Strict):
     window_s: Annotated[float, Field(ge=1.0, le=86400.0)] | None = None
 
 
+class Quality(_Strict):
+    """Shadow comparisons: output quality checked beside speed.
+
+    A share of the greedy requests that a speculative engine serves (temperature 0, one choice) is sent again
+    to the plain engine, off the client's path, and the two answers are compared: exact match of the output,
+    where they first differ, and for structured output the validity of both. Speculative decoding is lossless
+    in the algorithm, but floating-point and batch-size effects can change exact outputs; this measures how
+    often they do. The rate is small because every shadow is a request the plain engine serves for nothing.
+    """
+
+    shadow_rate: Annotated[float, Field(ge=0.0, le=0.05)]
+    # None compares on every route; a list only on these
+    routes: StringSet | None = None
+
+
 class Guardrails(_Strict):
     """Limits a rollout step must respect; a breach rolls the step back."""
 
@@ -292,6 +307,9 @@ class Guardrails(_Strict):
     max_p95_e2e_regression: Annotated[float, Field(ge=0.0, le=10.0)] | None = None
     max_retry_rate_increase: Fraction = 0.02
     min_acceptance_rate: Fraction | None = None
+    # The share of the canary's shadow comparisons (``quality``) whose answers match the plain engine's. Below 1:
+    # a sample can show a rate is above 0.999, never that it is 1, so a minimum of 1 would hold every step forever.
+    min_shadow_match_rate: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
     min_samples: Annotated[int, Field(ge=1, le=10_000_000)] = 200
 
 
@@ -305,6 +323,8 @@ class PolicyDocument(_Strict):
     default: Then
     exploration: Exploration = Exploration()
     guardrails: Guardrails = Guardrails()
+    # None, not an empty section: a document without it keeps the revision id it had before the field existed
+    quality: Quality | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
 

@@ -32,6 +32,7 @@ from policies.model import (
     Guardrails,
     PlainEngine,
     PolicyDocument,
+    Quality,
     Range,
     Rule,
     Then,
@@ -429,6 +430,8 @@ def _allowed_fields(parent: tuple[str | int, ...], raw: Any) -> list[str]:
         model = Exploration
     elif parent == ("guardrails",):
         model = Guardrails
+    elif parent == ("quality",):
+        model = Quality
     elif len(parent) == 2 and parent[0] == "engines":
         return sorted({f for m in ENGINE_MODELS for f in m.model_fields})
     if model is None:
@@ -542,6 +545,7 @@ def _semantic_errors(raw: Mapping[str, Any]) -> list[FieldError]:
     in_engine = {name for name, engine in (engines or {}).items() if schedules_in_engine(engine)}
     added = catch_alls(valid_rules, in_engine)
     errors += _compiled_size_errors(valid_rules, [c.rule for c in added])
+    errors += _shadow_guardrail_errors(raw)
     if engines is not None:
         errors += _exploration_errors(raw.get("exploration"), engines)
         errors += _in_engine_errors(raw, engines, valid_rules, added, {e.path for e in shadowed})
@@ -701,6 +705,24 @@ def _compiled_size_errors(valid_rules: list[tuple[int, Rule]], catch_all_rules: 
                        "rule costs 1, plus 1 per predicate and per label key (the route aside), for every route "
                        f"it names, and each of the {routes} routes {ROUTE_COST} more. rules[{where}] costs the "
                        f"most ({biggest}). Name fewer routes per rule, or split the policy")]
+
+
+def _shadow_guardrail_errors(raw: Mapping[str, Any]) -> list[FieldError]:
+    """A minimum shadow match rate needs shadow comparisons: without them the guardrail could never pass, and
+    every rollout of the policy would wait forever."""
+    guardrails, quality = raw.get("guardrails"), raw.get("quality")
+    if not isinstance(guardrails, Mapping) or guardrails.get("min_shadow_match_rate") is None:
+        return []
+    rate = quality.get("shadow_rate") if isinstance(quality, Mapping) else None
+    if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate <= 0:
+        return [FieldError("quality.shadow_rate", ErrorCode.out_of_range,
+                           "must be above 0 when guardrails.min_shadow_match_rate is set: the guardrail is "
+                           "measured on shadow comparisons")]
+    if quality is None:
+        return [FieldError("quality", ErrorCode.missing_field,
+                           "required when guardrails.min_shadow_match_rate is set: the guardrail is measured "
+                           "on shadow comparisons (quality.shadow_rate)")]
+    return []
 
 
 def _exploration_errors(exploration: Any, engines: Mapping[str, Any]) -> list[FieldError]:

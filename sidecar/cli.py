@@ -99,6 +99,10 @@ def sidecar(
                                                    "starts itself (command, model path, port, binding, "
                                                    "arguments) and restarts when the policy changes their "
                                                    "speculative arguments; their URLs replace --engine")] = None,
+    quality_check: Annotated[str | None, typer.Option("--quality-check", help="MODULE:FUNCTION: a check of "
+                                                      "shadow comparisons (policy quality) of your own, called "
+                                                      "as check(request, served, plain) -> bool or (bool, "
+                                                      "reason)")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")] = "info",
 ) -> None:
     """Run the worker sidecar: policy sync, per-request decisions, proxying, telemetry.
@@ -107,7 +111,8 @@ def sidecar(
     SPECGATE_ENGINES='{"base": "http://...", "draft": ["http://a...", "http://b..."]}', SPECGATE_KIND,
     SPECGATE_BATCH_SCOPE, SPECGATE_EJECT_AFTER, SPECGATE_PROBE_INITIAL_S, SPECGATE_PROBE_MAX_S,
     SPECGATE_MAX_QUEUE, SPECGATE_AFFINITY_SLACK, SPECGATE_LISTEN, SPECGATE_POOL, SPECGATE_LABELS,
-    SPECGATE_ROUTES, SPECGATE_STATE_DIR, SPECGATE_PUBLIC_KEYS='["..."]', SPECGATE_WORKER_ID.
+    SPECGATE_ROUTES, SPECGATE_STATE_DIR, SPECGATE_PUBLIC_KEYS='["..."]', SPECGATE_WORKER_ID,
+    SPECGATE_QUALITY_CHECK, SPECGATE_SHADOW_MAX_IN_FLIGHT, SPECGATE_SHADOW_TIMEOUT_S.
     OpenTelemetry export is on when OTEL_EXPORTER_OTLP_ENDPOINT is set.
     """
     settings = build_settings(
@@ -115,13 +120,20 @@ def sidecar(
         kind=kind, batch_scope=batch_scope,
         listen=listen, pool=pool, labels=_pairs(label, "--label", "k=v"),
         routes=_pairs(route, "--route", "PATH_OR_MODEL=ROUTE"), state_dir=state_dir, public_keys=public_key or None,
-        worker_id=worker_id)
+        worker_id=worker_id, quality_check=quality_check)
     if not settings.engines:
         _fail("no engines: pass --engine NAME=URL (or set SPECGATE_ENGINES)")
     if not settings.key and settings.key_file is not None:
         settings.key = _read_key(settings.key_file)
     if not settings.key:
         _fail("no worker key: set SPECGATE_KEY or SPECGATE_KEY_FILE, or pass --key-file")
+    if settings.quality_check:
+        from sidecar.shadow import QualityCheckError, load_check
+
+        try:
+            load_check(settings.quality_check)
+        except QualityCheckError as exc:
+            _fail(str(exc))
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         _fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
 

@@ -17,6 +17,11 @@ Exposed (all prefixed ``specgate_sidecar_``):
 * ``rejected_total{reason}`` — requests answered by the sidecar itself (no policy, bad body)
 * ``bundle_refused_total{reason}`` — policy bundles the sync refused (stale_generation, other_worker, expired, invalid)
 * ``hook_errors_total`` — exceptions raised by the on_event hook
+* ``shadow_comparisons_total{outcome}`` — requests sampled for a shadow comparison (policy ``quality``): matched,
+  differed, not_greedy (not comparable), dropped_load (over ``shadow_max_in_flight``), no_replica, failed,
+  cancelled (the sidecar stopped first)
+* ``shadow_in_flight`` — shadow requests running on the plain engine now
+* ``quality_check_errors_total`` — runs of ``--quality-check`` that raised, timed out or answered badly
 * ``request_duration_seconds{engine}`` — histogram of end-to-end latency seen by the sidecar
 * ``in_flight`` — requests in flight now
 * ``telemetry_queue_depth`` — events waiting in the exporter (when it reports ``queue_depth()``)
@@ -80,6 +85,10 @@ class SidecarMetrics(Collector):
         # Filled by PolicySync (its ``refused``): bundles refused by reason.
         self.bundle_refused: dict[str, int] = {}
         self.hook_errors = 0
+        # Shadow comparisons (sidecar/shadow.py) by outcome, and the worker's quality check failing to run.
+        self.shadows: dict[str, int] = {}
+        self.shadows_in_flight = 0
+        self.quality_check_errors = 0
         self.latency: dict[str, _Histogram] = {}
         # Set by the sidecar when it supervises its engines (sidecar/supervisor.py): its report() per engine.
         self.supervisor: Any = None
@@ -109,6 +118,9 @@ class SidecarMetrics(Collector):
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def shadow(self, outcome: str) -> None:
+        self.shadows[outcome] = self.shadows.get(outcome, 0) + 1
 
     # --- exposition --------------------------------------------------------------
 
@@ -148,6 +160,17 @@ class SidecarMetrics(Collector):
         yield family
         yield CounterMetricFamily(PREFIX + "hook_errors", "Exceptions raised by the on_event hook",
                                   value=self.hook_errors)
+        family = CounterMetricFamily(PREFIX + "shadow_comparisons", "Requests sampled for a shadow comparison "
+                                     "(policy quality), by outcome: matched, differed, not_greedy, dropped_load, "
+                                     "no_replica, failed, cancelled", labels=["outcome"])
+        for outcome, n in list(self.shadows.items()):
+            family.add_metric([outcome], n)
+        yield family
+        yield GaugeMetricFamily(PREFIX + "shadow_in_flight", "Shadow requests running on the plain engine",
+                                value=self.shadows_in_flight)
+        yield CounterMetricFamily(PREFIX + "quality_check_errors", "Runs of the worker's quality check "
+                                  "(--quality-check) that raised, timed out or answered neither a bool nor "
+                                  "(bool, str)", value=self.quality_check_errors)
         family = HistogramMetricFamily(PREFIX + "request_duration_seconds",
                                        "End-to-end request latency seen by the sidecar", labels=["engine"])
         for engine, hist in list(self.latency.items()):

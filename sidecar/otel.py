@@ -142,6 +142,10 @@ class OTelHook:
             "specgate.spec.draft_tokens": event.spec_draft_tokens,
             "specgate.spec.accepted_tokens": event.spec_accepted_tokens,
             "specgate.spec.mean_acceptance_length": event.spec_mean_acceptance_length,
+            "specgate.shadow.match": event.shadow_match,
+            "specgate.shadow.first_diff": event.shadow_first_diff,
+            "specgate.shadow.structured_valid": event.shadow_structured_valid,
+            "specgate.shadow.check_passed": event.shadow_check_passed,
             "error.type": failure,
         }
         attributes.update({k: v for k, v in optional.items() if v is not None})

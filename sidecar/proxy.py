@@ -25,7 +25,9 @@ OpenAI request (``POST /v1/chat/completions``, ``POST /v1/completions``) it
    most;
 4. relays the answer: JSON whole, streams event by event as they arrive;
 5. after the response is complete, builds one ``TelemetryEvent`` and hands it
-   to ``exporter.submit`` and the ``on_event`` hook, on a later loop turn.
+   to ``exporter.submit`` and the ``on_event`` hook, on a later loop turn; a
+   request the policy's ``quality`` samples is first answered again by the
+   plain engine and compared (:mod:`sidecar.shadow`), off the client's path.
 
 Per-request engine metrics: the engines run with ``--enable-per-request-metrics``
 (speculative ones also with ``--per-request-spec-decode-metrics summary``), so
@@ -73,6 +75,15 @@ from sidecar.output_schema import compile_output_schema
 from sidecar.replicas import POOL_SATURATED, InFlight, Pools, Replica, retry_after_s
 from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
+from sidecar.shadow import (
+    StreamCapture,
+    answer_of,
+    common_prefix,
+    comparable,
+    load_check,
+    run_check,
+    shadow_body,
+)
 from sidecar.upstream import Headers, Response, Upstream, UpstreamError
 from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
 from wire.telemetry import (
@@ -333,7 +344,8 @@ class _Call(_Watched):
         "t0", "wall", "request_id", "path", "shape", "decision", "bundle", "canary", "engine",
         "stream", "added_usage", "schema", "validator", "retries", "fallback", "fallback_reason", "status",
         "http_status", "first_token", "last_token", "n_chunks", "parts", "output", "usage", "metrics", "t_end",
-        "started", "decided", "done_seen", "delivered", "replica", "affinity", "batch", "tried",
+        "started", "decided", "done_seen", "delivered", "replica", "affinity", "batch", "tried", "shadow",
+        "capture",
     )
 
     def __init__(self, t0: float, wall: float, request_id: str, path: str) -> None:
@@ -372,6 +384,19 @@ class _Call(_Watched):
         self.affinity: str | None = None  # X-Specgate-Affinity
         self.batch = 0  # the batch it joined there, as the decision saw it
         self.tried: list[Replica] | None = None  # replicas that failed it, after a retry
+        self.shadow: _Shadow | None = None  # sampled for a shadow comparison (policy quality)
+        self.capture: StreamCapture | None = None  # ...and streamed: its answer as it goes by
+
+
+class _Shadow:
+    """What a shadow comparison needs of its request: the client's body and headers, the plain engine."""
+
+    __slots__ = ("data", "headers", "plain_engine")
+
+    def __init__(self, data: dict[str, Any], headers: Headers, plain_engine: str) -> None:
+        self.data = data
+        self.headers = headers
+        self.plain_engine = plain_engine
 
 
 class SidecarApp:
@@ -402,6 +427,8 @@ class SidecarApp:
         self.metrics = SidecarMetrics(store, self.inflight, self.pools,
                                       queue_depth if callable(queue_depth) else None)
         self.replica_scope = self.pools.replica_scope
+        self.quality_check = load_check(settings.quality_check) if settings.quality_check else None
+        self._shadows: set[asyncio.Task[None]] = set()
         self._started = False
 
     # --- lifecycle -----------------------------------------------------------------
@@ -427,6 +454,12 @@ class SidecarApp:
         if not self._started:
             return
         self._started = False
+        # Shadows are cancelled, not awaited: each hands its request's event on as it ends, uncompared.
+        shadows = list(self._shadows)
+        for task in shadows:
+            task.cancel()
+        if shadows:
+            await asyncio.gather(*shadows, return_exceptions=True)
         await self.pools.stop()
         for replica in self.pools.replicas.values():
             upstream, replica.upstream = replica.upstream, None
@@ -587,6 +620,8 @@ class SidecarApp:
                            f"probe is in about {wait} s",
                            [*self._our_headers(call), (_H_RETRY_AFTER, b"%d" % wait)])
             return
+        if call.engine == call.decision.engine and call.decision.speculate:
+            self._sample_shadow(call, bundle, data, headers)
         body = self._engine_body(call, data, body)
         query = scope.get("query_string")
         target = call.path.encode() + b"?" + query if query else call.path.encode()  # one of API_PATHS: ASCII
@@ -683,6 +718,19 @@ class SidecarApp:
             call.replica = choice.replica
             choice.replica.in_flight += 1
         return fallback
+
+    def _sample_shadow(self, call: _Call, bundle: CompiledBundle, data: dict[str, Any], headers: Headers) -> None:
+        """Notes a request the policy samples for a shadow comparison, when its answer can be compared."""
+        policy = bundle.canary if call.canary and bundle.canary is not None else bundle.active
+        if not policy.shadow_rate or not policy.shadowed(call.shape, call.decision):
+            return
+        if not comparable(data):
+            self.metrics.shadow("not_greedy")
+            return
+        # The body before _engine_body adds stream_options for a stream (the shadow is not streamed)
+        call.shadow = _Shadow(dict(data), list(headers), policy.fallback_engine)
+        if call.shape.stream:
+            call.capture = StreamCapture()
 
     def _retry_target(self, call: _Call, fallback: str, now: float) -> Replica | None:
         """Where a request whose replica failed goes next: another healthy replica of its engine, else (for a
@@ -948,6 +996,8 @@ class SidecarApp:
         if choices and type(choices) is list:
             choice = choices[0]
             if type(choice) is dict:
+                if call.capture is not None:
+                    call.capture.choice(choice)
                 delta = choice.get("delta")
                 if type(delta) is dict:
                     text = delta.get("content")
@@ -999,7 +1049,119 @@ class SidecarApp:
         event = self._telemetry_event(call, e2e * 1000.0)
         self.metrics.decision(call.decision.engine, call.decision.rule)
         self.metrics.finished(call.engine, event.status, e2e)
+        if call.shadow is not None and event.status is _OK and call.http_status == 200 and (
+                call.engine == call.decision.engine) and self._started:
+            if len(self._shadows) >= self.settings.shadow_max_in_flight:
+                self.metrics.shadow("dropped_load")
+            else:
+                # The event waits for the comparison it carries; the client has its answer already.
+                task = asyncio.get_running_loop().create_task(self._shadow(call, event))
+                self._shadows.add(task)
+                self.metrics.shadows_in_flight = len(self._shadows)
+                task.add_done_callback(self._shadow_done)
+                return
         self._hand_off(event)
+
+    def _shadow_done(self, task: asyncio.Task[None]) -> None:
+        self._shadows.discard(task)
+        self.metrics.shadows_in_flight = len(self._shadows)
+
+    async def _shadow(self, call: _Call, event: TelemetryEvent) -> None:
+        """Compares the served answer with the plain engine's, then hands the event on, compared or not."""
+        fields: dict[str, Any] | None = None
+        try:
+            fields = await asyncio.wait_for(self._compare(call), self.settings.shadow_timeout_s)
+        except TimeoutError:
+            self.metrics.shadow("failed")
+        except asyncio.CancelledError:
+            self.metrics.shadow("cancelled")
+            raise
+        except Exception:  # a bug here must cost the comparison, never the event
+            self.metrics.shadow("failed")
+        finally:
+            self._hand_off(event if fields is None else event.model_copy(update=fields))
+
+    async def _compare(self, call: _Call) -> dict[str, Any] | None:
+        """The shadow request and the comparison; the event's shadow fields, or None (counted) when the
+        comparison could not be made."""
+        shadow = call.shadow
+        assert shadow is not None
+        served = call.capture.answer() if call.capture is not None else answer_of(call.output)
+        replica = self.pools.choose(shadow.plain_engine, time.monotonic()).replica
+        if served is None or replica is None or replica.upstream is None:
+            self.metrics.shadow("no_replica" if served is not None else "failed")
+            return None
+        headers = [(name, value) for name, value in shadow.headers if name != _H_REQUEST_ID]
+        headers.append((_H_REQUEST_ID, call.request_id.encode("latin-1", "replace") + b"-shadow"))
+        # Real load on the plain engine: counted where the decisions of other requests read its batch.
+        replica.in_flight += 1
+        try:
+            raw = await self._post(replica, call.path.encode(), headers, shadow_body(shadow.data))
+        finally:
+            replica.in_flight -= 1
+        try:
+            plain = answer_of(_loads(raw)) if raw is not None and raw[:1] == b"{" else None
+        except ValueError:
+            plain = None
+        if plain is None:
+            self.metrics.shadow("failed")
+            return None
+        match = served == plain
+        first_diff = None
+        if not match:
+            first_diff = await self._token_count(replica, headers, shadow.data.get("model"),
+                                                 common_prefix(served.text, plain.text))
+        plain_valid = None
+        if call.schema is not None:
+            plain_valid = self._text_valid(plain.text, call.schema, call.validator)
+        passed = reason = None
+        if self.quality_check is not None:
+            result = await run_check(self.quality_check, shadow.data, served, plain,
+                                     timeout_s=self.settings.quality_check_timeout_s)
+            passed, reason = result.passed, result.reason
+            if passed is None:
+                self.metrics.quality_check_errors += 1
+        self.metrics.shadow("matched" if match else "differed")
+        return {"shadow_match": match, "shadow_first_diff": first_diff, "shadow_structured_valid": plain_valid,
+                "shadow_check_passed": passed, "shadow_check_reason": reason}
+
+    async def _post(self, replica: Replica, target: bytes, headers: Headers, body: bytes) -> bytes | None:
+        """A whole POST answer of 200 from the replica; None for any other answer or a failure."""
+        upstream = replica.upstream
+        if upstream is None:
+            return None
+        try:
+            resp = await upstream.request(b"POST", target, headers, body)
+        except UpstreamError:
+            return None
+        try:
+            if resp.status != 200:
+                return None
+            raw: bytes = await resp.read()
+        except UpstreamError:
+            resp.close()
+            return None
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return raw
+
+    async def _token_count(self, replica: Replica, headers: Headers, model: Any, text: str) -> int | None:
+        """Tokens in ``text`` as the engine's tokenizer counts them (vLLM's ``POST /tokenize``); None when the
+        engine cannot say."""
+        if not text:
+            return 0
+        body = {"prompt": text, "add_special_tokens": False}
+        if type(model) is str:
+            body["model"] = model
+        raw = await self._post(replica, b"/tokenize", headers, _dumps(body))
+        try:
+            answer = _loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        count = answer.get("count") if type(answer) is dict else None
+        return count if type(count) is int and 0 <= count <= MAX_INT else None
 
     def _telemetry_event(self, call: _Call, e2e_ms: float) -> TelemetryEvent:
         """The event of a finished request: the decision, the request's shape, its timing and outcome, and the
@@ -1062,6 +1224,11 @@ class SidecarApp:
             engine_ttft_ms=_num(metrics.get("time_to_first_token_ms")),
             engine_itl_ms=engine_itl,
             engine_queue_ms=_num(metrics.get("queue_time_ms")),
+            shadow_match=None,
+            shadow_first_diff=None,
+            shadow_structured_valid=None,
+            shadow_check_passed=None,
+            shadow_check_reason=None,
         )
 
     def _hand_off(self, event: TelemetryEvent) -> None:
@@ -1085,15 +1252,19 @@ class SidecarApp:
                 if choices and type(choices) is list and type(choices[0]) is dict:
                     message = choices[0].get("message")
                     text = message.get("content") if type(message) is dict else choices[0].get("text")
+        return self._text_valid(text, call.schema, call.validator)
+
+    @staticmethod
+    def _text_valid(text: Any, schema: Any, validator: Any) -> bool | None:
+        """Whether an answer's text is JSON that the request's output schema accepts; None: no verdict."""
         if type(text) is not str:
             return False
         try:
             value = json.loads(text)
         except ValueError:
             return False
-        if call.schema is JSON_OBJECT:
+        if schema is JSON_OBJECT:
             return type(value) is dict
-        validator = call.validator
         if validator is None:
             return None
         try:

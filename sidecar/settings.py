@@ -80,6 +80,14 @@ class SidecarSettings(BaseSettings):
     # Keep vLLM's per-request ``metrics`` object in answers (it is stripped by default, as if the engines ran
     # without the per-request metrics flags): for debugging and for tests that compare telemetry with the engine.
     expose_engine_metrics: bool = False
+    # Shadow comparisons (policy ``quality``, sidecar/shadow.py): at most this many shadow requests on the plain
+    # engine at once; a sampled request beyond it is not compared (the shadow is dropped, never queued: under
+    # load the plain engine has real work to do).
+    shadow_max_in_flight: int = Field(default=4, ge=1, le=1000)
+    shadow_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # A worker's own check of the two answers, MODULE:FUNCTION on the worker's Python path (sidecar/shadow.py).
+    quality_check: str | None = None
+    quality_check_timeout_s: float = Field(default=5.0, gt=0, le=600)
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -145,6 +145,22 @@ class TelemetryEvent(BaseModel):
     engine_ttft_ms: float | None = Field(default=None, ge=0, le=MAX_FLOAT, allow_inf_nan=False)
     engine_itl_ms: float | None = Field(default=None, ge=0, le=MAX_FLOAT, allow_inf_nan=False)
     engine_queue_ms: float | None = Field(default=None, ge=0, le=MAX_FLOAT, allow_inf_nan=False)
+    # a shadow comparison (the policy's ``quality``): the same greedy request sent again to the plain engine,
+    # off the client's path, and the two answers compared; all null when the request was not compared
+    shadow_match: bool | None = Field(default=None, description="the plain engine's answer has the same output "
+                                      "(text, tool calls, finish reason) as the one the client got")
+    shadow_first_diff: int | None = Field(default=None, ge=0, le=MAX_INT,
+                                          description="output tokens before the first difference (the common "
+                                          "prefix, as the plain engine's tokenizer counts it); null when the "
+                                          "answers match or the engine cannot count")
+    shadow_structured_valid: bool | None = Field(default=None, description="structured output: the plain "
+                                                 "engine's answer parsed and matched the schema "
+                                                 "(``structured_valid`` is the served answer's)")
+    shadow_check_passed: bool | None = Field(default=None, description="the worker's own quality check "
+                                             "(--quality-check) on the two answers; null when none ran or it "
+                                             "failed to run")
+    shadow_check_reason: str | None = Field(default=None, max_length=256, pattern=NO_NUL,
+                                            description="what the quality check said")
 
     @field_validator("labels")
     @classmethod

@@ -73,7 +73,9 @@ def _group_by(values: list[str]) -> list[SummaryGroup]:
 @router.get("/v1/analysis/summary", response_model=SummaryReport, tags=["analysis"],
             responses=INVALID_RESPONSE,
             description="Requests, acceptance, mean acceptance length, TTFT/ITL/e2e p50 and p95, retry, fallback, "
-                        "error and structured-output validity rates, per any of route, engine, batch_bucket, "
+                        "error and structured-output validity rates, shadow comparisons (match rate with its "
+                        "interval, where answers first differ, structured validity served vs plain, quality-check "
+                        "failures), per any of route, engine, batch_bucket, "
                         "policy, revision, explored (and time window), from the rollups. group_by=worker gives "
                         "per-worker means from the raw events instead, group_by=replica per engine and replica "
                         "(filtered by policy, route and engine).")

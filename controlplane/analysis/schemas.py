@@ -36,6 +36,28 @@ class SummaryQuantiles(BaseModel):
     p95: float | None
 
 
+class ShadowSummary(BaseModel):
+    """Shadow comparisons of a summary row (the policy's ``quality``): greedy requests a speculative engine
+    served, sent again to the plain engine off the client's path, and the two answers compared."""
+
+    compared: int = Field(description="requests compared with the plain engine's answer")
+    matched: int = Field(description="compared requests whose two answers matched (text, tool calls, finish reason)")
+    match_rate: float = Field(description="matched / compared")
+    match_interval: list[float] = Field(description="[low, high]: the 95 % Wilson score interval of match_rate")
+    first_diff_mean: float | None = Field(description="output tokens the answers shared before they first differed, "
+                                                      "on average over the differing ones that counted them; null "
+                                                      "when none did")
+    first_diff_count: int = Field(description="differing comparisons that counted where they first differed")
+    structured_checked: int = Field(description="compared structured-output requests with both answers checked "
+                                                "against the schema")
+    structured_valid_served: float | None = Field(description="of those, the share whose served (speculative) answer "
+                                                              "was valid; null when there were none")
+    structured_valid_plain: float | None = Field(description="of the same requests, the share whose plain engine's "
+                                                             "answer was valid")
+    check_run: int = Field(description="comparisons the worker's quality check (--quality-check) ran on")
+    check_failed: int = Field(description="of those, the ones it failed")
+
+
 class SummaryRow(BaseModel):
     key: dict[str, Any] = Field(description="the group's values; with `window`, also window_start")
     requests: int
@@ -50,6 +72,8 @@ class SummaryRow(BaseModel):
     client_disconnects: int = Field(description="requests whose client went away before the answer was complete")
     client_disconnect_rate: float | None = Field(description="client_disconnects / requests")
     structured_validity_rate: float | None = Field(description="valid / checked structured outputs")
+    shadow: ShadowSummary | None = Field(description="shadow comparisons; null when none was made (the policy's "
+                                                     "quality.shadow_rate turns them on)")
 
 
 class WorkerRow(BaseModel):

@@ -27,6 +27,7 @@ from analysis.recommend import (
     engine_facts,
     recommend,
 )
+from analysis.stats import wilson_interval
 from analysis.switchback import Period, SwitchbackConfig, SwitchbackResult, compare, window_exposure
 from controlplane.analysis.repository import AnalysisRepository
 from controlplane.audit.service import record
@@ -89,7 +90,22 @@ def describe(cohort: Cohort) -> dict[str, Any]:
             "e2e_ms": q("e2e"), "retry_rate": cohort.retry_rate, "fallback_rate": cohort.fallback_rate,
             "error_rate": cohort.error_rate, "client_disconnects": cohort.client_disconnects,
             "client_disconnect_rate": cohort.client_disconnect_rate,
-            "structured_validity_rate": cohort.structured_validity}
+            "structured_validity_rate": cohort.structured_validity, "shadow": shadow_summary(cohort)}
+
+
+def shadow_summary(cohort: Cohort) -> dict[str, Any] | None:
+    """The shadow comparisons of a summary row; None when nothing was compared."""
+    n = cohort.shadow_compared
+    interval = wilson_interval(cohort.shadow_matched, n)
+    if interval is None:
+        return None
+    checked = cohort.shadow_structured_checked
+    return {"compared": n, "matched": cohort.shadow_matched, "match_rate": cohort.shadow_matched / n,
+            "match_interval": list(interval), "first_diff_mean": cohort.shadow_first_diff_mean,
+            "first_diff_count": cohort.shadow_first_diff_count, "structured_checked": checked,
+            "structured_valid_served": cohort.shadow_structured_valid_served / checked if checked else None,
+            "structured_valid_plain": cohort.shadow_structured_valid_plain / checked if checked else None,
+            "check_run": cohort.shadow_check_run, "check_failed": cohort.shadow_check_failed}
 
 
 def summaries(session: Session, flt: RollupFilter, group_by: Sequence[str], window: str | None,

@@ -16,6 +16,11 @@ WINDOWS = {"last 15 minutes": dt.timedelta(minutes=15), "last hour": dt.timedelt
            "last 6 hours": dt.timedelta(hours=6), "last 24 hours": dt.timedelta(days=1),
            "last 3 days": dt.timedelta(days=3)}
 ALL = "(all)"
+SHADOW_OFF = ("No shadow comparisons in this window. To check that speculation does not change the answers, set "
+              "`quality.shadow_rate` in the policy (a share of the greedy requests a speculative engine serves, "
+              "at most 0.05, e.g. `quality: {shadow_rate: 0.01}`): the sidecar sends them again to the plain "
+              "engine and reports whether the answers match. `guardrails.min_shadow_match_rate` then rolls back "
+              "a canary whose answers differ too often.")
 
 
 def _values(report: RollupReport | None, field: str) -> list[str]:
@@ -115,3 +120,29 @@ def render() -> None:
             right.caption("No structured output was checked in this window.")
         totals = charts.headline(by_minute, kinds)
         st.caption(f"{totals['requests']:,} requests in the window; figures from per-minute rollups.")
+
+    _shadow_comparisons(session, filters, since, until, limit)
+
+
+def _shadow_comparisons(session: ui.Session, filters: dict[str, str | None], since: dt.datetime,
+                        until: dt.datetime, limit: int) -> None:
+    """Whether speculation changed the answers: the plain engine's answer to a sample of the same requests."""
+    st.subheader("Shadow comparisons")
+    report = ui.call(lambda: session.read(calls.summary(
+        group_by="route,engine", policy=filters["policy"], route=filters["route"], revision=filters["revision"],
+        since=since, until=until, limit=limit)))
+    if report is None:
+        return
+    if report.truncated:
+        st.warning(f"More than {limit} route and engine pairs matched: the table shows part of them. Narrow the "
+                   "filters.")
+    table = charts.shadow_table(report)
+    if table.empty:
+        st.info(SHADOW_OFF)
+        return
+    st.dataframe(table, hide_index=True, width="stretch")
+    st.caption("A sample of the greedy requests a speculative engine served was sent again to the plain engine, "
+               "off the client's path, and the two answers compared: the match rate with its 95 % interval, how "
+               "many output tokens they shared before the first difference, the validity of structured output "
+               "served and plain on the same requests, and the worker's own quality check. Speculative decoding "
+               "is lossless in theory; floating-point and batch effects can still change exact outputs.")

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from apiclient import calls
-from apiclient.models import Recommendation
+from apiclient.models import Recommendation, ShadowSummary
 from specgate.commands.rest import DEFAULT_URL, JsonOpt, KeyOpt, UrlOpt, control_plane, fail, show
 
 analysis_app = typer.Typer(help="Telemetry analysis: summaries, speedups, before/after, what-if, guardrails.",
@@ -56,7 +56,22 @@ def summary(policy: Annotated[str | None, typer.Option()] = None, route: Annotat
         typer.echo(f"{group:<48} n={row.requests:<8} acc={_fmt(row.acceptance_rate)} "
                    f"itl p50/p95={_fmt(row.itl_ms.p50)}/{_fmt(row.itl_ms.p95)}ms "
                    f"e2e p95={_fmt(row.e2e_ms.p95)}ms retries={_fmt(row.retry_rate)} "
-                   f"err={_fmt(row.error_rate)}")
+                   f"err={_fmt(row.error_rate)}{_shadow(row.shadow)}")
+
+
+def _shadow(shadow: ShadowSummary | None) -> str:
+    """A summary row's shadow comparisons, after its figures; nothing when none was made."""
+    if shadow is None:
+        return ""
+    low, high = shadow.match_interval
+    out = (f" shadow {shadow.matched}/{shadow.compared} matched {shadow.match_rate:.1%} [{low:.1%}, {high:.1%}] "
+           f"first_diff={_fmt(shadow.first_diff_mean)}")
+    if shadow.structured_checked:
+        out += (f" structured valid served/plain={_fmt(shadow.structured_valid_served)}/"
+                f"{_fmt(shadow.structured_valid_plain)} of {shadow.structured_checked}")
+    if shadow.check_run:
+        out += f" check failed {shadow.check_failed}/{shadow.check_run}"
+    return out
 
 
 @analysis_app.command("speedups")

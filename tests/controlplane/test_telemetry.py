@@ -155,6 +155,17 @@ def recompute_from_raw(engine: Engine) -> tuple[dict[tuple[Any, ...], dict[str, 
                 gaps = max(r["completion_tokens"] - 1, 0)
                 c["itl_weighted_ms_sum"] += r["itl_ms"] * gaps
                 c["itl_weighted_tokens"] += gaps
+        c["shadow_compared"] += r["shadow_match"] is not None
+        c["shadow_matched"] += r["shadow_match"] is True
+        if r["shadow_first_diff"] is not None:
+            c["shadow_first_diff_sum"] += r["shadow_first_diff"]
+            c["shadow_first_diff_count"] += 1
+        if r["structured_valid"] is not None and r["shadow_structured_valid"] is not None:
+            c["shadow_structured_checked"] += 1
+            c["shadow_structured_valid_served"] += r["structured_valid"] is True
+            c["shadow_structured_valid_plain"] += r["shadow_structured_valid"] is True
+        c["shadow_check_run"] += r["shadow_check_passed"] is not None
+        c["shadow_check_failed"] += r["shadow_check_passed"] is False
     return dict(counters), dict(hist)
 
 
@@ -249,7 +260,9 @@ def test_plain_and_gzip_batches_are_stored_field_for_field(client: TestClient, w
     assert r.json() == {"batch_id": "b-plain", "accepted": 2, "stored": 2, "rejected": [], "rejected_count": 0,
                         "duplicate": False}
     offset = event(3, time="2026-12-02T12:00:30.250+02:00", structured_valid=True, fallback_reason="read_timeout",
-                   ttft_ms=None, spec_draft_tokens=None)
+                   ttft_ms=None, spec_draft_tokens=None, shadow_match=False, shadow_first_diff=17,
+                   shadow_structured_valid=False, shadow_check_passed=False,
+                   shadow_check_reason="the plain answer names another city " + "é" * 200)
     naive = event(4, time="2026-12-02T10:05:00")
     r = post(client, worker_key, batch("b-gzip", [offset, naive]))
     assert r.status_code == 200, r.text
@@ -478,7 +491,21 @@ def random_event(rng: random.Random, n: int) -> dict[str, Any]:
         spec_draft_tokens=maybe(rng.choice([0, rng.randint(0, 400), rng.randint(0, 400), rng.randint(0, 400)]), 0.3),
         spec_accepted_tokens=maybe(rng.randint(0, 300), 0.1),
         spec_steps=maybe(rng.randint(0, 100), 0.3),
+        **shadow_fields(rng),
     )
+
+
+def shadow_fields(rng: random.Random) -> dict[str, Any]:
+    """A shadow comparison for about a third of the events, as the sidecar reports one: each field may be
+    missing on its own (an engine that cannot count tokens, no structured output, no quality check)."""
+    if rng.random() < 0.65:
+        return {}
+    match = rng.random() < 0.8
+    return {"shadow_match": match,
+            "shadow_first_diff": None if match or rng.random() < 0.2 else rng.randint(0, 500),
+            "shadow_structured_valid": rng.choice([None, None, True, False]),
+            "shadow_check_passed": rng.choice([None, True, True, False]),
+            "shadow_check_reason": rng.choice([None, "ok", "answers differ in meaning"])}
 
 
 def test_rollups_equal_the_raw_events_after_many_batches_replays_and_duplicates(
@@ -505,6 +532,10 @@ def test_rollups_equal_the_raw_events_after_many_batches_replays_and_duplicates(
     assert event_ids(db) == {e["event_id"] for e in pool}
     rows = assert_rollups_equal_raw(db)
     assert rows > 300  # many keys, so the comparison means something
+    with db.connect() as conn:  # and every shadow counter has something to be compared on
+        shadow = conn.execute(select(*(func.sum(TelemetryRollup.__table__.c[name])
+                                       for name in COUNTERS if name.startswith("shadow_")))).one()
+    assert min(shadow) > 50, shadow
 
 
 def test_the_plain_sqlalchemy_statements_store_the_same(client: TestClient, worker_key: dict[str, str],

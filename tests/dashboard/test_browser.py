@@ -222,6 +222,8 @@ def _journey(page: playwright_sync.Page, browser: playwright_sync.Browser, cp: L
     page.locator("[data-testid='stVegaLiteChart']").nth(3).wait_for()
     page.get_by_text("requests in the window").wait_for()
     page.locator("[data-testid='stVegaLiteChart']").nth(4).wait_for()
+    page.get_by_role("heading", name="Shadow comparisons").wait_for()
+    page.get_by_text("No shadow comparisons in this window").wait_for()
     _shot(page, shots, "6-telemetry")
 
     _goto(page, "Recommendations")

@@ -415,6 +415,11 @@ def test_telemetry_draws_the_charts_from_rollups_and_filters_by_route(live_contr
     assert not at.warning
     assert len(at.get("vega_lite_chart")) == 5
     assert f"{seeded.events:,} requests in the window" in texts(at.caption)
+    # nothing was compared: the section says how to turn shadow comparisons on
+    assert "Shadow comparisons" in texts(at.subheader)
+    assert "No shadow comparisons in this window" in texts(at.info)
+    assert "`quality.shadow_rate`" in texts(at.info)
+    assert not at.dataframe
 
     at.selectbox(key="sg_tm_route").set_value("chat").run()
     no_exception(at)
@@ -425,6 +430,37 @@ def test_telemetry_draws_the_charts_from_rollups_and_filters_by_route(live_contr
 
     at.selectbox(key="sg_tm_pool").set_value("(any)").run()  # the seed policy's pool: no traffic there
     assert "No telemetry in this window" in texts(at.info)
+
+
+def test_telemetry_shows_the_shadow_comparisons_per_route_and_engine(live_control_plane: LiveControlPlane,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    seeded = seed.seed_all(cp.url, cp.admin, cp.worker, minutes=5, per_minute=10)
+    assert seed.shadow_telemetry(cp.url, cp.worker, seeded) == {("chat", "draft"): 40, ("extract", "ngram"): 20}
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("telemetry").run()
+    no_exception(at)
+    assert "Shadow comparisons" in texts(at.subheader)
+    assert "No shadow comparisons" not in texts(at.info)
+    (table,) = [d.value for d in at.dataframe]
+    rows = table.to_dict("records")
+    # the lowest match rate first: where the answers differ most
+    assert [(r["route"], r["engine"], r["compared"], r["match rate"]) for r in rows] == [
+        ("extract", "ngram", 20, "75.0%"), ("chat", "draft", 40, "95.0%")]
+    extract, chat = rows
+    assert extract["95% interval"] == "53.1% - 88.8%"  # Wilson, 15 of 20
+    assert extract["first diff (tokens)"] == 12.0
+    assert (extract["structured compared"], extract["structured valid: served"],
+            extract["structured valid: plain"]) == (20, "100.0%", "90.0%")
+    assert extract["check failures"] == "3 of 10"
+    assert (chat["structured compared"], chat["structured valid: plain"], chat["check failures"]) == (0, "-", "-")
+    assert "off the client's path" in texts(at.caption)
+
+    # filtered to a route: that route's row only
+    at.selectbox(key="sg_tm_route").set_value("chat").run()
+    no_exception(at)
+    (table,) = [d.value for d in at.dataframe]
+    assert list(table["route"]) == ["chat"]
 
 
 # --- recommendations ------------------------------------------------------------------------

@@ -120,11 +120,11 @@ def build_stack(fleet: Fleet, tmp_path: Path) -> Iterator[StackBuilder]:
     """``build(database_url, policy_texts=(seed,))``: a stack on that (empty) database; several may run at once.
 
     The first text becomes the policy's first revision, each later one a newer revision, the last active;
-    ``cp_env`` adds to the control plane's environment (SPECGATE_* settings)."""
+    ``cp_env`` adds to the control plane's environment (SPECGATE_* settings), ``sidecar_env`` to the sidecar's."""
     made: list[Stack] = []
 
     def build(database_url: str, policy_texts: Sequence[str] = (SEED_POLICY,),
-              cp_env: Mapping[str, str] | None = None) -> Stack:
+              cp_env: Mapping[str, str] | None = None, sidecar_env: Mapping[str, str] | None = None) -> Stack:
         fleet.require()
         upgrade(database_url)
         policy_id, ids = seed_policy(database_url, policy_texts[0])
@@ -139,6 +139,7 @@ def build_stack(fleet: Fleet, tmp_path: Path) -> Iterator[StackBuilder]:
         cp.env.update(cp_env or {})
         cp.start()
         sidecar = SidecarProcess(cp, fleet.urls, directory, worker_id=f"e2e-{tmp_path.name}-{len(made)}")
+        sidecar.env.update(sidecar_env or {})
         stack = Stack(database_url, cp, sidecar, fleet, ids)
         made.append(stack)
         sidecar.start()
@@ -156,10 +157,11 @@ def build_stack(fleet: Fleet, tmp_path: Path) -> Iterator[StackBuilder]:
 
 @pytest.fixture
 def make_stack(database_url: str, build_stack: StackBuilder) -> StackFactory:
-    """``make(policy_texts=(seed,))``: a stack on this test's database (SQLite, then PostgreSQL)."""
+    """``make(policy_texts=(seed,), sidecar_env=None)``: a stack on this test's database (SQLite, then
+    PostgreSQL)."""
 
-    def make(policy_texts: Sequence[str] = (SEED_POLICY,)) -> Stack:
-        return build_stack(database_url, policy_texts)
+    def make(policy_texts: Sequence[str] = (SEED_POLICY,), sidecar_env: Mapping[str, str] | None = None) -> Stack:
+        return build_stack(database_url, policy_texts, sidecar_env=sidecar_env)
 
     return make
 

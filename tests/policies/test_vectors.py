@@ -141,6 +141,11 @@ def test_valid_vector(group: dict[str, Any], case: dict[str, Any]) -> None:
         assert type(decision.speculate) is bool
         assert type(decision.explored) is bool
         assert type(decision.num_speculative_tokens) is int
+    if "shadow" in case:
+        shadowed = policies.compile_policy(document, REVISION).shadowed(shape, compiled)
+        assert shadowed is case["shadow"], "sampled for a shadow comparison"
+    else:
+        assert document.quality is None, "a group with quality pins shadow in every case"
 
 
 def _schedule_params() -> list[Any]:

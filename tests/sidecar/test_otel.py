@@ -30,7 +30,7 @@ def event(**overrides: Any) -> TelemetryEvent:
         "structured_output": False, "tools": False, "max_tokens": 256, "prompt_tokens": 120,
         "completion_tokens": 80, "ttft_ms": 45.0, "itl_ms": 12.5, "e2e_ms": 1045.0, "status": "ok",
         "http_status": 200, "spec_draft_tokens": 90, "spec_accepted_tokens": 63, "spec_acceptance_rate": 0.7,
-        **overrides}
+        "shadow_match": False, "shadow_first_diff": 12, "shadow_check_passed": True, **overrides}
     return TelemetryEvent(**values)
 
 
@@ -92,6 +92,10 @@ def test_a_request_becomes_a_genai_client_span_with_its_own_times(otel: Harness)
     assert attrs["specgate.spec.draft_tokens"] == 90
     assert attrs["specgate.spec.accepted_tokens"] == 63
     assert attrs["specgate.fallback"] is False
+    # the shadow comparison it carries; what was not compared is left out
+    assert (attrs["specgate.shadow.match"], attrs["specgate.shadow.first_diff"]) == (False, 12)
+    assert attrs["specgate.shadow.check_passed"] is True
+    assert "specgate.shadow.structured_valid" not in attrs
     assert "error.type" not in attrs
     assert span.status.status_code is StatusCode.UNSET
 

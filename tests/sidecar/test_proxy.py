@@ -496,8 +496,8 @@ def test_other_paths_pass_through_to_the_plain_engine(make_sidecar: SidecarFacto
     sidecar = make_sidecar()
     models = httpx.get(sidecar.url + "/v1/models")
     assert models.json()["data"][0]["owned_by"] == "base"
-    echo = httpx.post(sidecar.url + "/tokenize?x=1&y=2", content=b"raw body", headers={"X-Custom": "yes"})
-    assert echo.json() == {"engine": "base", "method": "POST", "path": "/tokenize", "query": "x=1&y=2",
+    echo = httpx.post(sidecar.url + "/detokenize?x=1&y=2", content=b"raw body", headers={"X-Custom": "yes"})
+    assert echo.json() == {"engine": "base", "method": "POST", "path": "/detokenize", "query": "x=1&y=2",
                            "body": "raw body", "x_custom": "yes"}
     assert httpx.delete(sidecar.url + "/status207").status_code == 207
     moved = httpx.post(sidecar.url + "/moved", content=b"{}")

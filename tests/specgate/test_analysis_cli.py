@@ -185,3 +185,31 @@ def test_summary_speedups_recommend_offline_and_apply(live: str, migrated_url: s
                     str(policy_file))
     assert code == 2
     assert "cannot read the input" in out
+
+
+def test_summary_prints_the_shadow_comparisons_of_the_groups_that_have_them(
+        live: str, migrated_url: str, make_key: Callable[[Scope, str], str]) -> None:
+    from tests.support.telemetry_data import T0, event, store
+
+    (rid,) = seed(migrated_url, policy_text())
+    events = []
+    for i in range(40):
+        e = event(revision=rid, route="extract", time=T0, structured=True if i < 10 else None)
+        if i < 25:  # 24 of 25 matched; the one that differs did after 31 tokens
+            e.update(shadow_match=i > 0, shadow_first_diff=31 if i == 0 else None,
+                     shadow_check_passed=None if i >= 5 else i != 1)
+            if i < 10:
+                e.update(structured_valid=True, shadow_structured_valid=i % 2 == 0)
+        events.append(e)
+    events += [event(revision=rid, route="chat", time=T0) for _ in range(5)]
+    store(migrated_url, events)
+    result = CliRunner().invoke(cli_app, ["analysis", "summary", "--group-by", "route"],
+                                env={"SPECGATE_URL": live, "SPECGATE_KEY": make_key(Scope.viewer, "cli-viewer")})
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line.rstrip() for line in _lines(result.output)}
+    # a group without comparisons prints what it printed before
+    assert SUMMARY_LINE.fullmatch(lines["route=chat"])
+    figures, _, shadow = lines["route=extract"].partition(" shadow ")
+    assert SUMMARY_LINE.fullmatch(figures)
+    assert shadow == ("24/25 matched 96.0% [80.5%, 99.3%] first_diff=31 structured valid served/plain=1/0.5 of 10 "
+                      "check failed 1/5")

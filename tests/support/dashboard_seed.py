@@ -213,3 +213,41 @@ def switchback_telemetry(url: str, worker_key: str, *, revision: str, salt: str,
         r.raise_for_status()
         stored: int = r.json()["stored"]
     return stored
+
+
+def shadow_telemetry(url: str, worker_key: str, seeded: Seeded, *, seed: int = 13) -> dict[tuple[str, str], int]:
+    """Speculative requests of the fleet's active revision, two minutes ago, some of them compared with the plain
+    engine's answer (shadow comparisons): on chat (draft) 40 compared, 38 matched; on extract (ngram) 20
+    compared, 15 matched, the differing ones after 12 tokens, structured output valid 20 of 20 served and 18 of 20
+    plain, and a quality check failed on 3 of 10. Answers ``{(route, engine): compared}``."""
+    rng = random.Random(seed)
+    when = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0) - dt.timedelta(minutes=2)
+    events: list[dict[str, Any]] = []
+    plan = {("chat", "draft"): (40, 38), ("extract", "ngram"): (20, 15)}
+    for (route, engine), (compared, matched) in plan.items():
+        for i in range(compared + 10):
+            structured = route == "extract" and i < compared
+            event: dict[str, Any] = {
+                "event_id": uuid.uuid4().hex, "request_id": uuid.uuid4().hex,
+                "time": (when + dt.timedelta(seconds=rng.uniform(0, 59))).isoformat(),
+                "worker_id": seeded.workers[0], "pool": "fleet", "route": route, "model": "target-8b",
+                "policy": seeded.policy, "revision": seeded.active, "rule": f"{route}-rule", "engine": engine,
+                "decided_engine": engine, "speculate": True, "num_speculative_tokens": 3, "explored": False,
+                "canary": False, "kill_switch": False, "batch_size": 2, "stream": False,
+                "structured_output": structured, "tools": False, "max_tokens": 256, "prompt_tokens": 300,
+                "completion_tokens": 60, "ttft_ms": 50.0, "itl_ms": 9.0, "e2e_ms": 600.0, "status": "ok",
+                "retries": 0, "fallback": False, "structured_valid": True if structured else None,
+            }
+            if i < compared:
+                event["shadow_match"] = i < matched
+                event["shadow_first_diff"] = None if i < matched else 12
+                if structured:
+                    event["shadow_structured_valid"] = i >= 2
+                    event["shadow_check_passed"] = None if i >= 10 else i >= 3
+            events.append(event)
+    with _client(url, worker_key) as c:
+        r = c.post("/v1/telemetry/batches", json={"batch_id": uuid.uuid4().hex, "worker_id": seeded.workers[0],
+                                                  "events": events})
+        r.raise_for_status()
+        assert r.json()["stored"] == len(events), r.text
+    return {pair: compared for pair, (compared, _) in plan.items()}

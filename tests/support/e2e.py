@@ -368,6 +368,7 @@ class Answer:
     text: str = ""
     usage: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None  # the engine's per-request metrics, as it sent them
+    finish_reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -399,8 +400,8 @@ def new_request_id(tag: str) -> str:
     return f"e2e-{tag}-{os.getpid()}-{n}-{os.urandom(3).hex()}"
 
 
-def send(client: httpx.Client, url: str, ask: Ask, tag: str = "r") -> Answer:
-    answer = Answer(ask, new_request_id(tag), time.time())
+def send(client: httpx.Client, url: str, ask: Ask, tag: str = "r", request_id: str | None = None) -> Answer:
+    answer = Answer(ask, request_id or new_request_id(tag), time.time())
     headers = {"X-Request-Id": answer.request_id, "X-Specgate-Route": ask.route}
     try:
         if ask.stream:
@@ -415,6 +416,7 @@ def send(client: httpx.Client, url: str, ask: Ask, tag: str = "r") -> Answer:
                         answer.error = json.dumps(chunk["error"])
                     for choice in chunk.get("choices") or []:
                         parts.append((choice.get("delta") or {}).get("content") or "")
+                        answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
                     if chunk.get("usage"):
                         answer.usage = chunk["usage"]
                     if chunk.get("metrics"):
@@ -426,6 +428,7 @@ def send(client: httpx.Client, url: str, ask: Ask, tag: str = "r") -> Answer:
             if resp.status_code == 200:
                 data = resp.json()
                 answer.text = data["choices"][0]["message"]["content"] or ""
+                answer.finish_reason = data["choices"][0].get("finish_reason")
                 answer.usage = data.get("usage")
                 answer.metrics = data.get("metrics")
             else:

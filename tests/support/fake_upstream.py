@@ -81,6 +81,8 @@ class FakeEngine:
         self.last_sent: dict[str, float] = {}  # request id -> time.monotonic() of the last chunk
         self.active = 0
         self.metrics_scrapes = 0
+        self.tokenize_status = 200  # what POST /tokenize answers (vLLM has it; other servers may not)
+        self.tokenized: list[str] = []  # the prompts POST /tokenize was asked to count
 
     @property
     def url(self) -> str:
@@ -96,6 +98,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_route("*", "/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -220,6 +223,16 @@ class FakeEngine:
             f'vllm:num_requests_waiting{{engine="0",model_name="fake-model"}} {float(self.waiting)}\n'
         )
         return web.Response(text=text, content_type="text/plain")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize`` answer shape; this fake's tokens are the prompt's whitespace-separated words."""
+        body = await request.json()
+        prompt = body.get("prompt", "")
+        self.tokenized.append(prompt)
+        if self.tokenize_status != 200:
+            return web.json_response({"error": {"message": "no tokenizer"}}, status=self.tokenize_status)
+        words = prompt.split()
+        return web.json_response({"count": len(words), "max_model_len": 2048, "tokens": list(range(len(words)))})
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
