@@ -29,7 +29,9 @@ The guardrails of the policy document (``guardrails``), what clients feel first:
 - ``min_shadow_match_rate`` m (optional; ``min_shadow_match``): breach when
   the share of the canary's shadow comparisons (the policy's ``quality``: the
   plain engine's answer to the same greedy request) whose answers matched is
-  below m with confidence (binomial variance over comparisons). It waits for
+  below m with confidence (binomial variance over comparisons, the larger of
+  the observed rate's and the limit's: calibrated at the boundary, so a pass
+  takes more comparisons than a breach). It waits for
   :data:`MIN_SHADOW_COMPARISONS` comparisons (fewer when ``min_samples`` is
   smaller) rather than ``min_samples``: comparisons are a small sample of the
   requests.
@@ -179,8 +181,11 @@ def _shadow_match(canary: Cohort, limit: float, alpha: float, min_compared: int)
     if n < min_compared:
         return Check("min_shadow_match", "pending", limit, round(rate, 6), None, None,
                      f"{counts}; waiting for {min_compared} comparisons")
-    # Floored at a quarter of one comparison's worth, as acceptance is: n matches out of n is not certainty.
-    variance = max(rate * (1 - rate), 0.25 / n) / n
+    # The larger of the observed rate's binomial variance and the limit's: at 30 of 30 matched the observed one
+    # is nearly 0, and a canary whose true rate sits at the limit would then pass by chance (one in eight over
+    # many looks, at a limit of 0.99); the limit's is the variance at the boundary the test decides. Floored at
+    # a quarter of one comparison's worth, as acceptance is.
+    variance = max(rate * (1 - rate), limit * (1 - limit), 0.25 / n) / n
     # Breach when limit - rate > 0: the one-sided test on the shortfall.
     test = msprt(limit - rate, variance, 0.0, alpha=alpha, tau=0.05)
     # The rate's interval, within the shares it can take.

@@ -6,8 +6,8 @@ held-out prompts of every route, greedy (temperature 0), ``max_tokens`` 64. Each
 plain engine one request at a time (the reference: what the target alone gives at batch 1), then by each
 engine at concurrency 1, 4 and 8 (requests in flight, so verification runs on batches of several
 sequences). An answer is compared with the reference as the sidecar compares a shadow
-(``sidecar.shadow``: text, tool calls and finish reason equal; where they differ, the tokens of the common
-prefix, counted by the plain engine's ``/tokenize``).
+(``sidecar.shadow``: text, tool calls and finish reason equal; where they differ, the index of the first
+token that differs, both texts tokenized by the plain engine's ``/tokenize``).
 
 The plain engine at concurrency 4 and 8 against itself at 1 is the floor: what batching alone does to exact
 outputs on this build, with no speculation. Reported per engine, concurrency and route, and per engine over
@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from analysis.stats import wilson_interval
-from sidecar.shadow import Answer, answer_of, common_prefix
+from sidecar.shadow import Answer, answer_of, common_prefix_length
 from testbed import corpus, engines
 from testbed.recipe import RECIPE
 
@@ -57,12 +57,15 @@ def answers(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> 
 
 
 def first_difference(base_url: str, served: Answer, plain: Answer) -> int | None:
-    prefix = common_prefix(served.text, plain.text)
-    if not prefix:
-        return 0
-    response = httpx.post(base_url + "/tokenize", timeout=60, json={
-        "model": engines.MODEL_NAME, "prompt": prefix, "add_special_tokens": False})
-    return int(response.json()["count"]) if response.status_code == 200 else None
+    """As the sidecar counts it: the index of the first differing token id, both texts tokenized."""
+    ids = []
+    for text in (served.text, plain.text):
+        response = httpx.post(base_url + "/tokenize", timeout=60, json={
+            "model": engines.MODEL_NAME, "prompt": text, "add_special_tokens": False})
+        if response.status_code != 200:
+            return None
+        ids.append(response.json()["tokens"])
+    return common_prefix_length(ids[0], ids[1])
 
 
 def compare(base_url: str, got: list[Answer | None], reference: list[Answer | None]) -> dict[str, Any]:

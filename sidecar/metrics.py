@@ -18,8 +18,9 @@ Exposed (all prefixed ``specgate_sidecar_``):
 * ``bundle_refused_total{reason}`` — policy bundles the sync refused (stale_generation, other_worker, expired, invalid)
 * ``hook_errors_total`` — exceptions raised by the on_event hook
 * ``shadow_comparisons_total{outcome}`` — requests sampled for a shadow comparison (policy ``quality``): matched,
-  differed, not_greedy (not comparable), dropped_load (over ``shadow_max_in_flight``), no_replica, failed,
-  cancelled (the sidecar stopped first)
+  differed, not_greedy (not comparable), not_served (failed or fell back), dropped_load (over
+  ``shadow_max_in_flight``, or the plain replicas queue beyond ``max_queue``), no_replica, failed, cancelled (the
+  sidecar stopped first)
 * ``shadow_in_flight`` — shadow requests running on the plain engine now
 * ``quality_check_errors_total`` — runs of ``--quality-check`` that raised, timed out or answered badly
 * ``request_duration_seconds{engine}`` — histogram of end-to-end latency seen by the sidecar
@@ -161,8 +162,8 @@ class SidecarMetrics(Collector):
         yield CounterMetricFamily(PREFIX + "hook_errors", "Exceptions raised by the on_event hook",
                                   value=self.hook_errors)
         family = CounterMetricFamily(PREFIX + "shadow_comparisons", "Requests sampled for a shadow comparison "
-                                     "(policy quality), by outcome: matched, differed, not_greedy, dropped_load, "
-                                     "no_replica, failed, cancelled", labels=["outcome"])
+                                     "(policy quality), by outcome: matched, differed, not_greedy, not_served, "
+                                     "dropped_load, no_replica, failed, cancelled", labels=["outcome"])
         for outcome, n in list(self.shadows.items()):
             family.add_metric([outcome], n)
         yield family

@@ -146,6 +146,7 @@ class OTelHook:
             "specgate.shadow.first_diff": event.shadow_first_diff,
             "specgate.shadow.structured_valid": event.shadow_structured_valid,
             "specgate.shadow.check_passed": event.shadow_check_passed,
+            "specgate.shadow.check_reason": event.shadow_check_reason,
             "error.type": failure,
         }
         attributes.update({k: v for k, v in optional.items() if v is not None})

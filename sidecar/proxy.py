@@ -76,12 +76,12 @@ from sidecar.replicas import POOL_SATURATED, InFlight, Pools, Replica, retry_aft
 from sidecar.server import MAX_BODY_BYTES
 from sidecar.settings import SidecarSettings
 from sidecar.shadow import (
+    CheckRunner,
     StreamCapture,
     answer_of,
-    common_prefix,
+    common_prefix_length,
     comparable,
     load_check,
-    run_check,
     shadow_body,
 )
 from sidecar.upstream import Headers, Response, Upstream, UpstreamError
@@ -427,8 +427,11 @@ class SidecarApp:
         self.metrics = SidecarMetrics(store, self.inflight, self.pools,
                                       queue_depth if callable(queue_depth) else None)
         self.replica_scope = self.pools.replica_scope
-        self.quality_check = load_check(settings.quality_check) if settings.quality_check else None
-        self._shadows: set[asyncio.Task[None]] = set()
+        self.quality_check = CheckRunner(load_check(settings.quality_check),
+                                         max_threads=settings.shadow_max_in_flight,
+                                         timeout_s=settings.quality_check_timeout_s) if settings.quality_check else None
+        # each shadow under way, with the event it hands on when it ends (_shadow_done)
+        self._shadows: dict[asyncio.Task[dict[str, Any] | None], TelemetryEvent] = {}
         self._started = False
 
     # --- lifecycle -----------------------------------------------------------------
@@ -454,12 +457,15 @@ class SidecarApp:
         if not self._started:
             return
         self._started = False
-        # Shadows are cancelled, not awaited: each hands its request's event on as it ends, uncompared.
+        # Shadows are cancelled, not awaited: each one's event is handed on, uncompared, as its task ends (a
+        # task cancelled before its first step too: the hand-off is its done callback's).
         shadows = list(self._shadows)
         for task in shadows:
             task.cancel()
         if shadows:
             await asyncio.gather(*shadows, return_exceptions=True)
+        if self.quality_check is not None:
+            self.quality_check.close()
         await self.pools.stop()
         for replica in self.pools.replicas.values():
             upstream, replica.upstream = replica.upstream, None
@@ -1049,37 +1055,44 @@ class SidecarApp:
         event = self._telemetry_event(call, e2e * 1000.0)
         self.metrics.decision(call.decision.engine, call.decision.rule)
         self.metrics.finished(call.engine, event.status, e2e)
-        if call.shadow is not None and event.status is _OK and call.http_status == 200 and (
-                call.engine == call.decision.engine) and self._started:
-            if len(self._shadows) >= self.settings.shadow_max_in_flight:
+        if call.shadow is not None:
+            if not (event.status is _OK and call.http_status == 200 and call.engine == call.decision.engine
+                    and self._started):
+                self.metrics.shadow("not_served")  # failed, fell back, or the sidecar is stopping
+            elif len(self._shadows) >= self.settings.shadow_max_in_flight:
                 self.metrics.shadow("dropped_load")
             else:
                 # The event waits for the comparison it carries; the client has its answer already.
-                task = asyncio.get_running_loop().create_task(self._shadow(call, event))
-                self._shadows.add(task)
+                task = asyncio.get_running_loop().create_task(self._shadow(call))
+                self._shadows[task] = event
                 self.metrics.shadows_in_flight = len(self._shadows)
                 task.add_done_callback(self._shadow_done)
                 return
         self._hand_off(event)
 
-    def _shadow_done(self, task: asyncio.Task[None]) -> None:
-        self._shadows.discard(task)
+    def _shadow_done(self, task: asyncio.Task[dict[str, Any] | None]) -> None:
+        """Hands a shadowed request's event on, with the comparison when there is one: exactly once, however
+        the shadow ended."""
+        event = self._shadows.pop(task)
         self.metrics.shadows_in_flight = len(self._shadows)
+        fields = None
+        if task.cancelled():
+            self.metrics.shadow("cancelled")
+        elif task.exception() is not None:  # _shadow catches its own errors: a bug, still never the event
+            self.metrics.shadow("failed")
+        else:
+            fields = task.result()
+        self._hand_off(event if fields is None else event.model_copy(update=fields))
 
-    async def _shadow(self, call: _Call, event: TelemetryEvent) -> None:
-        """Compares the served answer with the plain engine's, then hands the event on, compared or not."""
-        fields: dict[str, Any] | None = None
+    async def _shadow(self, call: _Call) -> dict[str, Any] | None:
+        """The comparison's event fields, or None (counted) when none could be made."""
         try:
-            fields = await asyncio.wait_for(self._compare(call), self.settings.shadow_timeout_s)
+            return await asyncio.wait_for(self._compare(call), self.settings.shadow_timeout_s)
         except TimeoutError:
             self.metrics.shadow("failed")
-        except asyncio.CancelledError:
-            self.metrics.shadow("cancelled")
-            raise
         except Exception:  # a bug here must cost the comparison, never the event
             self.metrics.shadow("failed")
-        finally:
-            self._hand_off(event if fields is None else event.model_copy(update=fields))
+        return None
 
     async def _compare(self, call: _Call) -> dict[str, Any] | None:
         """The shadow request and the comparison; the event's shadow fields, or None (counted) when the
@@ -1087,9 +1100,16 @@ class SidecarApp:
         shadow = call.shadow
         assert shadow is not None
         served = call.capture.answer() if call.capture is not None else answer_of(call.output)
-        replica = self.pools.choose(shadow.plain_engine, time.monotonic()).replica
-        if served is None or replica is None or replica.upstream is None:
-            self.metrics.shadow("no_replica" if served is not None else "failed")
+        if served is None:
+            self.metrics.shadow("failed")
+            return None
+        choice = self.pools.choose(shadow.plain_engine, time.monotonic())
+        replica = choice.replica
+        if replica is None or replica.upstream is None:
+            self.metrics.shadow("no_replica")
+            return None
+        if choice.reason is not None:  # every replica queues beyond max_queue: it has real work to do
+            self.metrics.shadow("dropped_load")
             return None
         headers = [(name, value) for name, value in shadow.headers if name != _H_REQUEST_ID]
         headers.append((_H_REQUEST_ID, call.request_id.encode("latin-1", "replace") + b"-shadow"))
@@ -1109,15 +1129,14 @@ class SidecarApp:
         match = served == plain
         first_diff = None
         if not match:
-            first_diff = await self._token_count(replica, headers, shadow.data.get("model"),
-                                                 common_prefix(served.text, plain.text))
+            first_diff = await self._first_difference(replica, headers, shadow.data.get("model"), served.text,
+                                                      plain.text)
         plain_valid = None
         if call.schema is not None:
             plain_valid = self._text_valid(plain.text, call.schema, call.validator)
         passed = reason = None
         if self.quality_check is not None:
-            result = await run_check(self.quality_check, shadow.data, served, plain,
-                                     timeout_s=self.settings.quality_check_timeout_s)
+            result = await self.quality_check.run(shadow.data, served, plain)
             passed, reason = result.passed, result.reason
             if passed is None:
                 self.metrics.quality_check_errors += 1
@@ -1136,6 +1155,7 @@ class SidecarApp:
             return None
         try:
             if resp.status != 200:
+                resp.close()  # its body unread: the connection cannot serve another request
                 return None
             raw: bytes = await resp.read()
         except UpstreamError:
@@ -1147,21 +1167,29 @@ class SidecarApp:
         resp.release()
         return raw
 
-    async def _token_count(self, replica: Replica, headers: Headers, model: Any, text: str) -> int | None:
-        """Tokens in ``text`` as the engine's tokenizer counts them (vLLM's ``POST /tokenize``); None when the
-        engine cannot say."""
-        if not text:
-            return 0
-        body = {"prompt": text, "add_special_tokens": False}
-        if type(model) is str:
-            body["model"] = model
-        raw = await self._post(replica, b"/tokenize", headers, _dumps(body))
-        try:
-            answer = _loads(raw) if raw is not None else None
-        except ValueError:
-            return None
-        count = answer.get("count") if type(answer) is dict else None
-        return count if type(count) is int and 0 <= count <= MAX_INT else None
+    async def _first_difference(self, replica: Replica, headers: Headers, model: Any, served: str,
+                                plain: str) -> int | None:
+        """The index of the first output token where two answers differ, both texts tokenized by the engine
+        (vLLM's ``POST /tokenize``); None when the engine cannot say. Token ids, not a character prefix: a
+        prefix that ends inside a token would tokenize into pieces the answers never had."""
+        ids: list[list[Any]] = []
+        for text in (served, plain):
+            if not text:
+                ids.append([])
+                continue
+            body = {"prompt": text, "add_special_tokens": False}
+            if type(model) is str:
+                body["model"] = model
+            raw = await self._post(replica, b"/tokenize", headers, _dumps(body))
+            try:
+                answer = _loads(raw) if raw is not None else None
+            except ValueError:
+                return None
+            tokens = answer.get("tokens") if type(answer) is dict else None
+            if type(tokens) is not list:
+                return None
+            ids.append(tokens)
+        return min(common_prefix_length(ids[0], ids[1]), MAX_INT)
 
     def _telemetry_event(self, call: _Call, e2e_ms: float) -> TelemetryEvent:
         """The event of a finished request: the decision, the request's shape, its timing and outcome, and the

@@ -10,10 +10,13 @@ again, after the client has its answer, to the plain engine, and the two
 answers are compared.
 
 What is compared: the text (content, or a completion's text), the tool calls
-(name and arguments of each, in order; their ids are random per answer) and
-the finish reason. Where they differ, the position of the first difference is
-counted in tokens: the common prefix of the two texts, tokenized by the plain
-engine (``POST /tokenize``; null when it cannot). For structured output both
+(name and arguments of each, in order; their ids are random per answer;
+arguments that parse as JSON compare as JSON values, since a streamed and a
+whole answer may lay the same arguments out differently) and the finish
+reason. Where they differ, the position of the first difference is counted in
+tokens: both texts tokenized by the plain engine (``POST /tokenize``), the
+index of the first token id that differs (null when the engine cannot
+tokenize). For structured output both
 answers are checked against the schema. A worker may add a check of its own
 (``--quality-check module:function``, :func:`load_check`).
 
@@ -25,10 +28,13 @@ compared too; the shadow itself is never streamed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import json
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,8 +122,18 @@ class StreamCapture:
                 argument_parts.append(function["arguments"])
 
     def answer(self) -> Answer:
-        calls = [("".join(name), "".join(arguments)) for _, (name, arguments) in sorted(self.tools.items())]
+        calls = [("".join(name), normal_arguments("".join(arguments)))
+                 for _, (name, arguments) in sorted(self.tools.items())]
         return Answer("".join(self.parts), calls, self.finish_reason)
+
+
+def normal_arguments(arguments: str) -> str:
+    """Tool-call arguments in one layout when they are JSON (compact, keys sorted), else as they are."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def answer_of(output: Any) -> Answer | None:
@@ -136,25 +152,26 @@ def answer_of(output: Any) -> Answer | None:
             function = call.get("function") if type(call) is dict else None
             if type(function) is dict:
                 name, arguments = function.get("name"), function.get("arguments")
-                calls.append((name if type(name) is str else "", arguments if type(arguments) is str else ""))
+                calls.append((name if type(name) is str else "",
+                              normal_arguments(arguments) if type(arguments) is str else ""))
     else:
         text = choice.get("text")
     reason = choice.get("finish_reason")
     return Answer(text if type(text) is str else "", calls, reason if type(reason) is str else None)
 
 
-def common_prefix(a: str, b: str) -> str:
-    """The longest common prefix of two strings."""
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The length of the longest common prefix of two strings or lists."""
     size = min(len(a), len(b))
     low, high = 0, size
-    # Binary search on slices compares in C, not character by character in Python (answers run to thousands).
+    # Binary search on slices compares in C, not item by item in Python (answers run to thousands of tokens).
     while low < high:
         middle = (low + high + 1) // 2
         if a[:middle] == b[:middle]:
             low = middle
         else:
             high = middle - 1
-    return a[:low]
+    return low
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,24 +218,71 @@ def _verdict(value: Any) -> CheckResult:
 
 
 def _clean(text: str) -> str:
-    """A reason as the event holds it: printable, NULs out, at most MAX_REASON_CHARS."""
-    text = "".join(ch if ch.isprintable() else " " for ch in text)
-    return text[:MAX_REASON_CHARS]
+    """A reason as the event holds it: at most MAX_REASON_CHARS, printable (NULs and controls become spaces)."""
+    text = text[:MAX_REASON_CHARS]
+    return "".join(ch if ch.isprintable() else " " for ch in text)
 
 
-async def run_check(check: QualityCheck, request: dict[str, Any], served: Answer, plain: Answer, *,
-                    timeout_s: float) -> CheckResult:
-    """Runs a check off the event loop (a coroutine function on it), bounded in time; never raises: a check that
-    fails to run or to answer is a result with ``passed`` None and the error as its reason."""
-    try:
-        if inspect.iscoroutinefunction(check):
-            awaitable: Awaitable[Any] = check(request, served.as_dict(), plain.as_dict())
-        else:
-            # A thread, so a slow validator does not stall the requests the event loop serves. On a timeout the
-            # thread runs on to its end; its answer is dropped.
-            awaitable = asyncio.to_thread(check, request, served.as_dict(), plain.as_dict())
-        return _verdict(await asyncio.wait_for(awaitable, timeout_s))
-    except TimeoutError:
-        return CheckResult(None, _clean(f"error: the check took longer than {timeout_s:g} s"))
-    except Exception as exc:
-        return CheckResult(None, _clean(f"error: {type(exc).__name__}: {exc}"))
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _is_async(check: Any) -> bool:
+    return inspect.iscoroutinefunction(check) or inspect.iscoroutinefunction(type(check).__call__)
+
+
+class CheckRunner:
+    """Runs a worker's quality check for each comparison, bounded in time and in threads; never raises.
+
+    A coroutine function (or an object with ``async def __call__``) is awaited on the event loop. Anything else
+    runs on threads of its own, at most ``max_threads`` at once, never on the loop's default executor: that
+    one also serves the policy sync and name lookups, and a check that hangs must not stall them. On a timeout
+    the thread runs on to its end (Python cannot stop it) and keeps its slot; a comparison that finds every
+    slot taken is not checked (an error, counted), never queued. The check is called from several threads at
+    once, so it must be thread-safe.
+    """
+
+    def __init__(self, check: QualityCheck, *, max_threads: int, timeout_s: float) -> None:
+        self.check = check
+        self.timeout_s = timeout_s
+        self.max_threads = max_threads
+        self._async = _is_async(check)
+        self._slots = threading.BoundedSemaphore(max_threads)
+        self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="quality-check")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, request: dict[str, Any], served: Answer, plain: Answer) -> CheckResult:
+        try:
+            if self._async:
+                value = await asyncio.wait_for(self.check(request, served.as_dict(), plain.as_dict()),
+                                               self.timeout_s)
+            else:
+                if not self._slots.acquire(blocking=False):
+                    return CheckResult(None, f"error: not run: the check still runs on {self.max_threads} earlier "
+                                             "comparisons")
+                call = functools.partial(self._in_thread, request, served.as_dict(), plain.as_dict())
+                try:
+                    future = asyncio.get_running_loop().run_in_executor(self._executor, call)
+                except BaseException:
+                    self._slots.release()
+                    raise
+                # Shielded: a timeout must not cancel the job before a thread takes it (its slot would never
+                # come back); the thread's late answer is then retrieved and dropped.
+                future.add_done_callback(_retrieve)
+                value = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+                if inspect.isawaitable(value):  # a plain function that returned a coroutine all the same
+                    value = await asyncio.wait_for(value, self.timeout_s)
+            return _verdict(value)
+        except TimeoutError:
+            return CheckResult(None, _clean(f"error: the check took longer than {self.timeout_s:g} s"))
+        except Exception as exc:
+            return CheckResult(None, _clean(f"error: {type(exc).__name__}: {exc}"))
+
+    def _in_thread(self, request: dict[str, Any], served: dict[str, Any], plain: dict[str, Any]) -> Any:
+        try:
+            return self.check(request, served, plain)
+        finally:
+            self._slots.release()

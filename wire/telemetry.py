@@ -150,9 +150,10 @@ class TelemetryEvent(BaseModel):
     shadow_match: bool | None = Field(default=None, description="the plain engine's answer has the same output "
                                       "(text, tool calls, finish reason) as the one the client got")
     shadow_first_diff: int | None = Field(default=None, ge=0, le=MAX_INT,
-                                          description="output tokens before the first difference (the common "
-                                          "prefix, as the plain engine's tokenizer counts it); null when the "
-                                          "answers match or the engine cannot count")
+                                          description="the index of the first output token that differs, both "
+                                          "answers' texts tokenized by the plain engine (re-tokenized text: "
+                                          "it can differ from the ids generated); null when the answers match "
+                                          "or the engine cannot tokenize")
     shadow_structured_valid: bool | None = Field(default=None, description="structured output: the plain "
                                                  "engine's answer parsed and matched the schema "
                                                  "(``structured_valid`` is the served answer's)")

@@ -147,7 +147,8 @@ def test_few_comparisons_wait_and_say_how_many() -> None:
     # a policy with fewer min_samples waits for as many comparisons, no more
     small = Guardrails(min_shadow_match_rate=0.5, min_samples=10)
     decided = _check(evaluate_step(*_cohorts(rng, 400, compared=12, matched=12), small, alpha=0.05).checks)
-    assert decided.status == "pass"
+    # tested (an interval, no "waiting for"), though 12 comparisons are not yet evidence enough either way
+    assert decided.interval is not None
     assert decided.detail == "12 of 12 shadow comparisons matched on the canary (100.0%; minimum 50%)"
 
 
@@ -163,7 +164,7 @@ def test_a_low_match_rate_is_a_breach_and_a_matching_canary_passes() -> None:
     assert check.interval is not None
     assert check.interval[0] < 0.6 < check.interval[1] < 0.95
     assert check.detail == "36 of 60 shadow comparisons matched on the canary (60.0%; minimum 95%)"
-    good = _check(evaluate_step(*_cohorts(rng, 400, compared=80, matched=80), guardrails, alpha=0.05).checks)
+    good = _check(evaluate_step(*_cohorts(rng, 400, compared=260, matched=260), guardrails, alpha=0.05).checks)
     assert good.status == "pass"
     assert good.interval is not None
     assert good.interval[0] > 0.95
@@ -195,7 +196,8 @@ def _looks(seed: int, true_rate: float, looks: int = 10, per_look: int = 30) -> 
 def test_at_the_minimum_repeated_looks_rarely_roll_back_and_a_real_shortfall_is_caught() -> None:
     at_limit = [_looks(seed, 0.95) for seed in range(200)]
     assert at_limit.count("breach") <= 4, at_limit.count("breach")  # alpha / 5 = 1 %, the floor keeps it near
-    above = [_looks(seed, 0.995) for seed in range(100)]
+    # passing takes more comparisons than breaching: the variance is the limit's, calibrated where it decides
+    above = [_looks(seed, 0.995, looks=20) for seed in range(100)]
     assert above.count("breach") == 0
     assert above.count("pass") >= 80
     below = [_looks(seed, 0.8) for seed in range(50)]

@@ -31,9 +31,10 @@ def test_compare_counts_differences_with_their_token_positions(base: FakeEngine)
     assert cell["match_rate"] == round(1 / 3, 4)
     low, high = cell["match_rate_95"]
     assert 0 < low < 1 / 3 < high < 1
-    # "d e " is two words to the fake tokenizer; "g h" (same text, another finish reason) two
+    # the fake tokenizer's tokens are words: "d e f" and "d e x" part at the third; "g h" (the same text, another
+    # finish reason) has no differing token: its whole length
     assert cell["first_diff_tokens"] == [2, 2]
-    assert base.tokenized == ["d e ", "g h"]
+    assert base.tokenized == ["d e x", "d e f", "g h", "g h"]
 
 
 def test_no_difference_still_has_an_interval(base: FakeEngine) -> None:

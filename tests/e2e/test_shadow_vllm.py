@@ -52,10 +52,10 @@ def plain_answer(client: httpx.Client, base_url: str, ask: Ask) -> dict[str, Any
     return response.json()["choices"][0]  # type: ignore[no-any-return]
 
 
-def token_count(client: httpx.Client, base_url: str, text: str) -> int:
+def token_ids(client: httpx.Client, base_url: str, text: str) -> list[int]:
     response = client.post(base_url + "/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False})
     response.raise_for_status()
-    return int(response.json()["count"])
+    return list(response.json()["tokens"])
 
 
 def test_sampled_greedy_requests_are_compared_with_the_plain_engine_and_stored(make_stack: StackFactory) -> None:
@@ -88,10 +88,10 @@ def test_sampled_greedy_requests_are_compared_with_the_plain_engine_and_stored(m
         truth = {a.request_id: plain_answer(client, base, a.ask) for a in answers[:9]}
         prefixes = {}
         for a in answers[:9]:
-            plain_text = truth[a.request_id]["message"]["content"] or ""
-            common = next((i for i, (x, y) in enumerate(zip(a.text, plain_text, strict=False)) if x != y),
-                          min(len(a.text), len(plain_text)))
-            prefixes[a.request_id] = token_count(client, base, a.text[:common])
+            served_ids = token_ids(client, base, a.text)
+            plain_ids = token_ids(client, base, truth[a.request_id]["message"]["content"] or "")
+            prefixes[a.request_id] = next((i for i, (x, y) in enumerate(zip(served_ids, plain_ids, strict=False))
+                                           if x != y), min(len(served_ids), len(plain_ids)))
 
     outcomes = [line for line in stack.sidecar.metrics().splitlines() if "shadow" in line and not line.startswith("#")]
     matched = 0

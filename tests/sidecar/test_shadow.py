@@ -100,9 +100,9 @@ def test_differing_answers_record_where_they_part(sidecar: Sidecar, draft: FakeE
     post(sidecar, SAMPLED[0])
     event = sidecar.exporter.one()
     assert event.shadow_match is False
-    # the common prefix "alpha beta gam" is three words to the fake tokenizer
-    assert base.tokenized == ["alpha beta gam"]
-    assert event.shadow_first_diff == 3
+    # both answers tokenized (the fake's tokens are words): they part at the third
+    assert base.tokenized == ["alpha beta gamma delta", "alpha beta gamut delta"]
+    assert event.shadow_first_diff == 2
     assert 'outcome="differed"} 1.0' in metric(sidecar, "shadow_comparisons")
 
 
@@ -318,3 +318,103 @@ def test_shadow_comparisons_do_not_hold_the_event_loop(sidecar: Sidecar, draft: 
     events = sidecar.exporter.wait(4, timeout=5)
     assert sorted(e.request_id for e in events) == sorted(SAMPLED[:4])
     assert all(e.shadow_match is True for e in events)
+
+
+# --- what a shadow must never do: leak, lose an event, stall the loop ---------------------------------------
+
+
+def _open_busy_connections(sidecar: Sidecar, engine: FakeEngine) -> int:
+    """Connections to the engine taken by a request and still open (a closed one leaves the set at the next sweep)."""
+    upstream = sidecar.app.pools.replicas[engine.url].upstream
+    assert upstream is not None
+    return sum(1 for conn in list(upstream.busy) if conn.transport is not None)
+
+
+@pytest.mark.parametrize("failure", ["shadow_5xx", "no_tokenizer"])
+def test_a_failed_shadow_or_tokenize_call_releases_its_connection(sidecar: Sidecar, draft: FakeEngine,
+                                                                  base: FakeEngine, failure: str) -> None:
+    if failure == "shadow_5xx":
+        base.fail_status = 503
+    else:
+        draft.content, base.content = "one two", "one three"
+        base.tokenize_status = 404
+    for rid in SAMPLED[:3]:
+        post(sidecar, rid)
+    events = sidecar.exporter.wait(3)
+    assert all(e.shadow_first_diff is None for e in events)
+    # an answer left unread would hold its connection (and a socket on each side) until the read timeout
+    assert _open_busy_connections(sidecar, base) == 0
+
+
+def test_a_shadow_cancelled_before_it_started_still_hands_its_event_on(make_sidecar: SidecarFactory,
+                                                                       draft: FakeEngine, base: FakeEngine) -> None:
+    sidecar = make_sidecar(bundle=bundle())
+    app = sidecar.app
+    held: list[Any] = []
+    finish = app._finish
+    app._finish = held.append  # type: ignore[method-assign]  # keep the finished call instead of finishing it
+    post(sidecar, SAMPLED[0])
+    wait_for(lambda: len(held) == 1)
+
+    async def finish_then_stop() -> None:
+        finish(held[0])  # the shadow task is created ...
+        await app.shutdown()  # ... and cancelled in the same loop turn, before its first step
+
+    sidecar.loop.run(finish_then_stop())
+    event = sidecar.exporter.one()
+    assert (event.request_id, event.shadow_match) == (SAMPLED[0], None)
+    assert app.metrics.shadows == {"cancelled": 1}
+
+
+def test_a_check_that_hangs_never_stalls_the_loops_threads(make_sidecar: SidecarFactory, draft: FakeEngine,
+                                                           base: FakeEngine) -> None:
+    sidecar = make_sidecar(bundle=bundle(), quality_check="tests.support.quality_checks:hangs",
+                           quality_check_timeout_s=0.1, shadow_max_in_flight=2)
+    for rid in SAMPLED[:5]:
+        post(sidecar, rid)
+    events = sidecar.exporter.wait(5)
+    reasons = sorted(str(e.shadow_check_reason) for e in events)
+    # two threads hang (the bound), the other comparisons are not checked rather than queued behind them
+    assert reasons.count("error: the check took longer than 0.1 s") == 2
+    assert reasons.count("error: not run: the check still runs on 2 earlier comparisons") == 3
+    assert all(e.shadow_match is True and e.shadow_check_passed is None for e in events)
+
+    async def default_executor_round_trip() -> float:
+        t0 = time.monotonic()
+        await asyncio.to_thread(lambda: None)  # what the policy sync and name lookups use
+        return time.monotonic() - t0
+
+    assert sidecar.loop.run(default_executor_round_trip()) < 1.0
+
+
+def test_an_object_with_an_async_call_is_awaited(make_sidecar: SidecarFactory, draft: FakeEngine,
+                                                 base: FakeEngine) -> None:
+    sidecar = make_sidecar(bundle=bundle(), quality_check="tests.support.quality_checks:async_callable")
+    post(sidecar, SAMPLED[0])
+    event = sidecar.exporter.one()
+    assert (event.shadow_check_passed, event.shadow_check_reason) == (True, None)
+
+
+def test_a_plain_engine_queueing_beyond_its_bound_gets_no_shadow(make_sidecar: SidecarFactory, draft: FakeEngine,
+                                                                 base: FakeEngine) -> None:
+    base.waiting = 9
+    sidecar = make_sidecar(bundle=bundle(), kind="gateway", max_queue=4, engine_metrics_s=0.05)
+    wait_for(lambda: sidecar.app.pools.replicas[base.url].waiting == 9)
+    post(sidecar, SAMPLED[0])
+    assert sidecar.exporter.one().shadow_match is None
+    assert base.requests == []
+    assert sidecar.app.metrics.shadows == {"dropped_load": 1}
+
+
+def test_a_sampled_request_that_fell_back_is_counted_not_compared(make_sidecar: SidecarFactory,
+                                                                  base: FakeEngine) -> None:
+    from tests.support.fake_upstream import closed_port
+
+    sidecar = make_sidecar(bundle=bundle(), engines={"draft": f"http://127.0.0.1:{closed_port()}",
+                                                     "base": base.url})
+    response = post(sidecar, SAMPLED[0])
+    assert response.headers["x-specgate-fallback"].startswith("engine=base")
+    event = sidecar.exporter.one()
+    assert (event.fallback, event.shadow_match) == (True, None)
+    assert sidecar.app.metrics.shadows == {"not_served": 1}
+    assert [r["headers"]["x-request-id"] for r in base.requests] == [SAMPLED[0]]  # the fallback itself only

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.shadow import Answer, StreamCapture, answer_of, common_prefix, comparable, shadow_body
+from sidecar.shadow import Answer, StreamCapture, answer_of, common_prefix_length, comparable, shadow_body
 
 
 @pytest.mark.parametrize(("extra", "expected"), [
@@ -56,7 +56,7 @@ def test_a_stream_of_tool_call_deltas_equals_the_whole_answer() -> None:
     streamed = capture.answer()
     whole = answer_of(chat_answer(None, [("get", '{"city": "Oslo"}'), ("put", "{}")], "tool_calls"))
     assert streamed == whole
-    assert whole == Answer("", [("get", '{"city": "Oslo"}'), ("put", "{}")], "tool_calls")
+    assert whole == Answer("", [("get", '{"city":"Oslo"}'), ("put", "{}")], "tool_calls")  # JSON, compact
     other = answer_of(chat_answer(None, [("get", '{"city": "Bergen"}'), ("put", "{}")], "tool_calls"))
     assert streamed != other
 
@@ -83,8 +83,21 @@ def test_completions_and_answers_without_a_choice() -> None:
 
 @given(st.text(max_size=60), st.text(max_size=60))
 def test_common_prefix_is_the_longest(a: str, b: str) -> None:
-    prefix = common_prefix(a, b)
-    assert a.startswith(prefix)
-    assert b.startswith(prefix)
-    n = len(prefix)
+    n = common_prefix_length(a, b)
+    assert a[:n] == b[:n]
     assert n == min(len(a), len(b)) or a[n] != b[n]
+    assert common_prefix_length(list(a), list(b)) == n  # token id lists alike
+
+
+def test_tool_call_arguments_compare_as_json_values() -> None:
+    # a streamed answer's arguments may come with other spacing or key order than a whole one's
+    capture = StreamCapture()
+    capture.choice({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}})
+    capture.choice({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"b": 1,'}}]}})
+    capture.choice({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ' "a": [2]}'}}]}})
+    capture.choice({"index": 0, "delta": {}, "finish_reason": "tool_calls"})
+    whole = answer_of(chat_answer(None, [("f", '{"a":[2],"b":1}')], "tool_calls"))
+    assert capture.answer() == whole
+    assert whole != answer_of(chat_answer(None, [("f", '{"a":[2],"b":2}')], "tool_calls"))
+    # arguments that are not JSON compare as text
+    assert answer_of(chat_answer(None, [("f", "{oops")])) != answer_of(chat_answer(None, [("f", "{oops ")]))

@@ -29,6 +29,7 @@ import contextlib
 import json
 import socket
 import time
+import zlib
 from typing import Any
 
 from aiohttp import web
@@ -225,14 +226,16 @@ class FakeEngine:
         return web.Response(text=text, content_type="text/plain")
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's ``POST /tokenize`` answer shape; this fake's tokens are the prompt's whitespace-separated words."""
+        """vLLM's ``POST /tokenize`` answer shape; this fake's tokens are the prompt's whitespace-separated words
+        (each word's id its CRC-32)."""
         body = await request.json()
         prompt = body.get("prompt", "")
         self.tokenized.append(prompt)
         if self.tokenize_status != 200:
             return web.json_response({"error": {"message": "no tokenizer"}}, status=self.tokenize_status)
         words = prompt.split()
-        return web.json_response({"count": len(words), "max_model_len": 2048, "tokens": list(range(len(words)))})
+        return web.json_response({"count": len(words), "max_model_len": 2048,
+                                  "tokens": [zlib.crc32(word.encode()) for word in words]})
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1

@@ -53,3 +53,20 @@ def json_equal(request: dict[str, Any], served: dict[str, Any], plain: dict[str,
 
 
 not_callable = 42
+
+
+def hangs(request: dict[str, Any], served: dict[str, Any], plain: dict[str, Any]) -> bool:
+    """Never answers in time (a validator stuck on a lock, say)."""
+    time.sleep(3)
+    return True
+
+
+class AsyncCallable:
+    """A check object whose __call__ is a coroutine function."""
+
+    async def __call__(self, request: dict[str, Any], served: dict[str, Any], plain: dict[str, Any]) -> bool:
+        await asyncio.sleep(0)
+        return served["finish_reason"] == plain["finish_reason"]
+
+
+async_callable = AsyncCallable()
