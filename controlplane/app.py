@@ -13,6 +13,7 @@ from typing import Any, cast
 from fastapi import FastAPI, Request, Response
 from sqlalchemy import update
 from sqlalchemy.engine import CursorResult
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.analysis.endpoints import router as analysis_router
@@ -35,6 +36,7 @@ from controlplane.rollout.endpoints import router as rollout_router
 from controlplane.rollout.evaluator import run_evaluator
 from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.endpoints import router as telemetry_router
+from controlplane.telemetry.partitions import keep_partitions_logged, run_partition_keeper
 from controlplane.worker.endpoints import router as worker_router
 from policies import SigningKey
 from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
@@ -166,8 +168,13 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         app.state.signing_key = _load_signing_key(app, settings)
         app.state.cohort_secret = _load_cohort_secret(app)
         listener: asyncio.Task[None] | None = None
+        partitions: asyncio.Task[None] | None = None
         if engine.dialect.name == "postgresql":
             listener = asyncio.create_task(listen_for_changes(settings.database_url, hub))
+            # Raw events' day partitions: created ahead now, then every interval (telemetry/partitions.py).
+            await run_in_threadpool(keep_partitions_logged, app)
+            if settings.telemetry_partition_interval_s > 0:
+                partitions = asyncio.create_task(run_partition_keeper(app, settings.telemetry_partition_interval_s))
         evaluator: asyncio.Task[None] | None = None
         if settings.guardrail_interval_s > 0:
             evaluator = asyncio.create_task(run_evaluator(app, settings.guardrail_interval_s))
@@ -185,6 +192,10 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
                 evaluator.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await evaluator
+            if partitions is not None:
+                partitions.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await partitions
             if listener is not None:
                 listener.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import uuid
 from typing import Any, ClassVar
 
@@ -241,8 +242,38 @@ class TelemetryBatchRecord(Base):
     rejected: Mapped[list[Any]] = mapped_column(JSON)
 
 
+# PostgreSQL keeps telemetry_events partitioned by day of ``time`` (UTC): one partition per day, named
+# telemetry_events_pYYYYMMDD, created ahead by the control plane (controlplane/telemetry/repository.py) and
+# dropped whole by retention. They are not in the models: Alembic's comparisons skip them (is_event_partition).
+EVENT_PARTITION_PREFIX = "telemetry_events_p"
+_EVENT_PARTITION = re.compile(r"telemetry_events_p\d{8}")
+
+
+def event_partition_name(day: dt.date) -> str:
+    return f"{EVENT_PARTITION_PREFIX}{day:%Y%m%d}"
+
+
+def is_event_partition(name: str | None) -> bool:
+    """Whether ``name`` is one of the day partitions of telemetry_events (PostgreSQL)."""
+    return name is not None and _EVENT_PARTITION.fullmatch(name) is not None
+
+
+def include_name(name: str | None, type_: str, _parent_names: Any) -> bool:
+    """Alembic's ``include_name``: the day partitions are the database's, not the models' (see above)."""
+    return not (type_ == "table" and is_event_partition(name))
+
+
 class TelemetryEventRecord(Base):
-    """One request as the sidecar reported it: every field of ``wire.telemetry.TelemetryEvent``."""
+    """One request as the sidecar reported it: every field of ``wire.telemetry.TelemetryEvent``.
+
+    The model is the table's shape on both databases but for one thing (migration ``20261207_0005``): on
+    PostgreSQL the table is partitioned by range of ``time``, one partition per UTC day, and since a
+    partitioned table's unique constraints must include the partition key its primary key is
+    ``(event_id, time)``. An event resent carries the same time, so ingest's ``ON CONFLICT DO NOTHING``
+    still stores it once (a reused id with another time would be a second event there). SQLite keeps
+    the plain table with ``event_id`` alone as its key. Alembic does not compare primary keys;
+    tests/controlplane/test_migrations.py checks both shapes.
+    """
 
     __tablename__ = "telemetry_events"
     __table_args__ = (

@@ -33,7 +33,15 @@ class ControlPlaneSettings(BaseSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     telemetry_retention_days: int = Field(default=30, ge=1, le=3650,
-                                          description="`specgate telemetry purge` deletes telemetry older than this")
+                                          description="`specgate telemetry purge` deletes telemetry older than this "
+                                          "(PostgreSQL: raw events by dropping whole day partitions)")
+    telemetry_partition_interval_s: float = Field(
+        default=3600.0, ge=0, le=86400,
+        description="PostgreSQL: how often the control plane creates the day partitions of raw events ahead "
+        "(also once at start); 0 turns the background task off (ingest still creates a missing day on demand)")
+    telemetry_partition_days_ahead: int = Field(
+        default=3, ge=1, le=366,
+        description="PostgreSQL: how many days after today have their raw-event partition created ahead")
     telemetry_ingest_concurrency: int = Field(default=4, ge=1, le=64,
                                               description="telemetry batches one process writes at once "
                                               "(PostgreSQL; SQLite writes one at a time)")

@@ -5,11 +5,12 @@ from __future__ import annotations
 from alembic import context
 
 from controlplane.db import make_engine
-from controlplane.models import Base
+from controlplane.models import Base, include_name
 from controlplane.settings import ControlPlaneSettings
 
 config = context.config
 target_metadata = Base.metadata
+# include_name: PostgreSQL's day partitions of telemetry_events are the database's, not the models'
 
 
 def _url() -> str:
@@ -19,7 +20,7 @@ def _url() -> str:
 
 def run_migrations_offline() -> None:
     context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
-                      render_as_batch=True)
+                      render_as_batch=True, include_name=include_name)
     with context.begin_transaction():
         context.run_migrations()
 
@@ -27,13 +28,15 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
+        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True,
+                          include_name=include_name)
         with context.begin_transaction():
             context.run_migrations()
         return
     engine = make_engine(_url())
     with engine.connect() as conn:
-        context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
+        context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True,
+                          include_name=include_name)
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -8,13 +8,18 @@ batch is one call into pydantic-core or the C json encoder, where binding
 tens of thousands of parameters row by row (SQLAlchemy's executemany) costs
 more than the database's own work. ``TelemetryRepository.pg_bulk = False``
 switches back to the executemany statements (bench/ingest.py compares them).
+
+On PostgreSQL ``telemetry_events`` is partitioned by UTC day of ``time``
+(migration ``20261207_0005``): its key is ``(event_id, time)``, so the event
+upserts name both; partitions are created ahead (:meth:`TelemetryRepository.ensure_partitions`)
+and retention drops them whole. SQLite keeps one table keyed by ``event_id``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -31,6 +36,7 @@ from sqlalchemy import (
     func,
     or_,
     select,
+    text,
     type_coerce,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -40,11 +46,14 @@ from sqlalchemy.orm import Session
 
 from analysis.rollup import COUNTERS, FLOAT_COUNTERS, KEY_FIELDS, RollupKey
 from controlplane.models import (
+    EVENT_PARTITION_PREFIX,
     Policy,
     TelemetryBatchRecord,
     TelemetryEventRecord,
     TelemetryRollup,
     TelemetryRollupHistogram,
+    event_partition_name,
+    is_event_partition,
 )
 from wire.telemetry import TelemetryEvent
 
@@ -70,7 +79,8 @@ _PG_EVENT_INSERT = (
     f"INSERT INTO telemetry_events ({_columns(EVENT_COLUMNS)}, batch_id, received_at) "  # noqa: S608
     f"SELECT {_columns(EVENT_COLUMNS, 'r.')}, %s, %s "
     "FROM json_populate_recordset(NULL::telemetry_events, %s::json) AS r "
-    "ON CONFLICT (event_id) DO NOTHING RETURNING event_id"
+    # the partitioned table's key (see the module docstring): a resent event has the same time
+    "ON CONFLICT (event_id, time) DO NOTHING RETURNING event_id"
 )
 _PG_ROLLUP_UPSERT = (
     f"INSERT INTO telemetry_rollups ({_columns(KEY_FIELDS + COUNTERS)}) "  # noqa: S608
@@ -112,6 +122,26 @@ class PurgeCounts:
     rollups: int
     histogram_rows: int
     batches: int
+    # Where events and rollups were cut: the cutoff asked for on SQLite, its day (UTC midnight) on PostgreSQL,
+    # whose events go by whole day partitions. Batch records are always cut at the cutoff asked for.
+    events_before: dt.datetime | None = None
+    # PostgreSQL: the day partitions of telemetry_events dropped (their events are counted in ``events``).
+    partitions: tuple[str, ...] = ()
+
+
+# The transaction-level advisory lock that serialises creating event partitions (several control-plane
+# replicas, and ingest creating a missing one on demand): the check of what exists is repeated under it.
+PARTITION_LOCK_KEY = 0x53470002
+
+
+def day_start(day: dt.date) -> dt.datetime:
+    return dt.datetime(day.year, day.month, day.day, tzinfo=dt.UTC)
+
+
+def _missing_partition(exc: BaseException) -> bool:
+    """Whether a PostgreSQL error says a row's day has no partition (SQLSTATE 23514, check_violation)."""
+    orig = getattr(exc, "orig", None) or exc
+    return getattr(orig, "sqlstate", None) == "23514" and "no partition of relation" in str(orig)
 
 
 class TelemetryRepository:
@@ -167,6 +197,10 @@ class TelemetryRepository:
     def _pg_bulk(self) -> bool:
         return self.pg_bulk and self._conn.dialect.name == "postgresql"
 
+    def _partitioned(self) -> bool:
+        """Whether telemetry_events is partitioned by day: on PostgreSQL, at migration head."""
+        return self._conn.dialect.name == "postgresql"
+
     def _raw_execute(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         """Run on the driver connection, inside this session's transaction; the rows it returns."""
         cursor = self._raw_cursor()
@@ -180,11 +214,32 @@ class TelemetryRepository:
                       received_at: dt.datetime) -> set[str]:
         """Insert events; returns the ids actually inserted.
 
-        An event id already stored is skipped (``ON CONFLICT DO NOTHING``).
-        Events with equal ids must not both be given. Times must be in UTC.
+        An event id already stored is skipped (``ON CONFLICT DO NOTHING``; on PostgreSQL the key is
+        ``(event_id, time)``, and a resent event has its time). Events with equal ids must not both be
+        given. Times must be in UTC.
+
+        PostgreSQL: an event whose day has no partition (the control plane creates them ahead, so only
+        when that failed, or a purge dropped a day that ingest still accepts) would fail the whole
+        statement. The insert runs in a savepoint; on that error the missing days are created in this
+        transaction (:meth:`ensure_partition_days`, under the partition lock) and the insert runs again,
+        so no event is lost to a missing partition. A DEFAULT partition would catch such rows instead,
+        but every later partition of a day it holds rows of could then not be created.
         """
         if not events:
             return set()
+        if not self._partitioned():
+            return self._insert_events(events, batch_id=batch_id, received_at=received_at)
+        try:
+            with self.session.begin_nested():
+                return self._insert_events(events, batch_id=batch_id, received_at=received_at)
+        except Exception as exc:
+            if not _missing_partition(exc):
+                raise
+        self.ensure_partition_days({event.time.date() for event in events})
+        return self._insert_events(events, batch_id=batch_id, received_at=received_at)
+
+    def _insert_events(self, events: Sequence[TelemetryEvent], *, batch_id: str,
+                       received_at: dt.datetime) -> set[str]:
         if self._pg_bulk():
             payload = _EVENTS_JSON.dump_json(list(events)).decode()
             return {r[0] for r in self._raw_execute(_PG_EVENT_INSERT, [batch_id, received_at, payload])}
@@ -192,7 +247,8 @@ class TelemetryRepository:
             return self._sqlite_insert_events(events, batch_id=batch_id, received_at=received_at)
         params = [{**dict(zip(EVENT_COLUMNS, _row_of(e), strict=True)), "batch_id": batch_id,
                    "received_at": received_at} for e in events]
-        stmt = (self._insert(EVENTS).on_conflict_do_nothing(index_elements=["event_id"])
+        key = ["event_id", "time"] if self._partitioned() else ["event_id"]
+        stmt = (self._insert(EVENTS).on_conflict_do_nothing(index_elements=key)
                 .returning(EVENTS.c.event_id))
         return {r[0] for r in self._conn.execute(stmt, params)}
 
@@ -267,18 +323,88 @@ class TelemetryRepository:
                                           set_={"count": HISTOGRAMS.c.count + stmt.excluded.count})
         self._conn.execute(stmt, [{"rollup_id": r, "metric": m, "bucket": b, "count": c} for r, m, b, c in rows])
 
+    # -- partitions (PostgreSQL) ------------------------------------------------------------------------
+
+    def event_partitions(self) -> dict[dt.date, str]:
+        """The day partitions attached to telemetry_events, by day (PostgreSQL; empty on SQLite)."""
+        if not self._partitioned():
+            return {}
+        rows = self._conn.execute(text(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'telemetry_events'::regclass"))
+        out: dict[dt.date, str] = {}
+        for (name,) in rows:
+            if is_event_partition(name):
+                out[dt.datetime.strptime(name[len(EVENT_PARTITION_PREFIX):], "%Y%m%d").date()] = name
+        return out
+
+    def ensure_partitions(self, today: dt.date, days_ahead: int, days_behind: int = 0) -> list[str]:
+        """Create the partitions of the days from ``today - days_behind`` to ``today + days_ahead`` that are
+        missing; returns the names created (none on SQLite). See :meth:`ensure_partition_days`."""
+        return self.ensure_partition_days(today + dt.timedelta(days=n) for n in range(-days_behind, days_ahead + 1))
+
+    def ensure_partition_days(self, days: Iterable[dt.date]) -> list[str]:
+        """Create the missing partitions of ``days`` in this transaction; returns the names created.
+
+        Idempotent, and safe with other control-plane replicas doing the same: when anything is missing,
+        the transaction takes the advisory lock :data:`PARTITION_LOCK_KEY` (held to its end) and looks
+        again, so two transactions never create one partition (``CREATE TABLE IF NOT EXISTS`` alone can
+        still collide in the catalog). Nothing is locked when every day exists. A partition is created
+        as a table of its own and then attached, which locks the parent table SHARE UPDATE EXCLUSIVE:
+        ingest and reads go on meanwhile (``CREATE TABLE ... PARTITION OF`` would stop both).
+        """
+        if not self._partitioned():
+            return []
+        wanted = sorted(set(days))
+        present = self.event_partitions()
+        if all(day in present for day in wanted):
+            return []
+        conn = self._conn
+        conn.execute(select(func.pg_advisory_xact_lock(PARTITION_LOCK_KEY)))
+        existing = self.event_partitions()
+        created = []
+        for day in wanted:
+            if day in existing:
+                continue
+            name = event_partition_name(day)  # from a date: nothing from outside reaches the SQL
+            start = day_start(day)
+            end = start + dt.timedelta(days=1)
+            conn.exec_driver_sql(f"CREATE TABLE IF NOT EXISTS {name} (LIKE telemetry_events INCLUDING DEFAULTS)")
+            conn.exec_driver_sql(f"ALTER TABLE telemetry_events ATTACH PARTITION {name} "
+                                 f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')")
+            created.append(name)
+        return created
+
     # -- retention -----------------------------------------------------------------------------------
 
     def purge(self, cutoff: dt.datetime) -> PurgeCounts:
         """Delete events with ``time < cutoff``, rollups with ``minute < cutoff`` (and their
-        histograms), and batch records received before it."""
+        histograms), and batch records received before it.
+
+        PostgreSQL: events are never deleted row by row; the day partitions that end at or before the
+        cutoff's day (its UTC midnight) are dropped whole, and rollups are cut at that midnight too, so
+        that the rollups still equal the aggregate of the events that remain. Up to a day more is kept.
+        """
         conn = self._conn
-        old_rollups = select(ROLLUPS.c.id).where(ROLLUPS.c.minute < cutoff)
+        partitioned = self._partitioned()
+        events_before = day_start(cutoff.astimezone(dt.UTC).date()) if partitioned else cutoff
+        old_rollups = select(ROLLUPS.c.id).where(ROLLUPS.c.minute < events_before)
         histogram_rows = conn.execute(delete(HISTOGRAMS).where(HISTOGRAMS.c.rollup_id.in_(old_rollups))).rowcount
-        rollups = conn.execute(delete(ROLLUPS).where(ROLLUPS.c.minute < cutoff)).rowcount
-        events = conn.execute(delete(EVENTS).where(EVENTS.c.time < cutoff)).rowcount
+        rollups = conn.execute(delete(ROLLUPS).where(ROLLUPS.c.minute < events_before)).rowcount
         batches = conn.execute(delete(BATCHES).where(BATCHES.c.received_at < cutoff)).rowcount
-        return PurgeCounts(events=events, rollups=rollups, histogram_rows=histogram_rows, batches=batches)
+        dropped: list[str] = []
+        if partitioned:
+            dropped = [name for day, name in sorted(self.event_partitions().items())
+                       if day_start(day) + dt.timedelta(days=1) <= events_before]
+            events = sum(conn.exec_driver_sql(f"SELECT count(*) FROM {name}").scalar_one()  # noqa: S608
+                         for name in dropped)
+            # Last: dropping a partition locks the whole table (ACCESS EXCLUSIVE) until this transaction ends.
+            for name in dropped:
+                conn.exec_driver_sql(f"DROP TABLE {name}")
+        else:
+            events = conn.execute(delete(EVENTS).where(EVENTS.c.time < cutoff)).rowcount
+        return PurgeCounts(events=events, rollups=rollups, histogram_rows=histogram_rows, batches=batches,
+                           events_before=events_before, partitions=tuple(dropped))
 
     # -- reads ---------------------------------------------------------------------------------------
 

@@ -6,8 +6,10 @@ Ingest of one batch, in one transaction:
    NOTHING``); when it was there already the batch is a replay, answered from
    that row, and nothing else happens;
 2. the valid events are inserted into ``telemetry_events``
-   (``ON CONFLICT (event_id) DO NOTHING RETURNING event_id``), so an event
-   that arrives in two batches is stored once;
+   (``ON CONFLICT (event_id) DO NOTHING RETURNING event_id``; on PostgreSQL,
+   whose table is partitioned by day, the key is ``(event_id, time)`` and a
+   resent event carries its time), so an event that arrives in two batches is
+   stored once;
 3. only the events actually inserted are aggregated in memory
    (:func:`analysis.rollup.aggregate`) and added to the
    per-minute rollups and their histograms (``ON CONFLICT DO UPDATE SET
@@ -380,9 +382,46 @@ def purge(session: Session, older_than: dt.datetime) -> PurgeCounts:
 
     The cutoff is truncated to the minute: an event of 10:41:30 and its rollup
     minute 10:41 are kept or deleted together, so the rollups still equal the
-    aggregate of the raw events that remain.
+    aggregate of the raw events that remain. On PostgreSQL raw events go by
+    whole day partitions, never row by row: events and rollups are cut at the
+    cutoff's day (UTC midnight) instead, batch records at the cutoff
+    (``PurgeCounts.events_before``, ``PurgeCounts.partitions``).
     """
     return TelemetryRepository(session).purge(purge_cutoff(older_than))
+
+
+# How far back the background task creates raw-event partitions, whatever the window (see partition_days):
+# the default window (7 days) spans 8 calendar days; the migration makes the same 8.
+PARTITION_DAYS_BEHIND_MAX = 8
+
+
+def partition_days(settings: ControlPlaneSettings, now: dt.datetime) -> tuple[dt.date, dt.date]:
+    """The first and last day whose raw-event partition should exist at ``now`` (UTC days).
+
+    Every day of the window ingest accepts (:class:`EventWindow`: back to the
+    max event age, never past retention; ahead by the clock skew) and
+    ``SPECGATE_TELEMETRY_PARTITION_DAYS_AHEAD`` days after today, so that a
+    day's partition exists well before its first event and before the next
+    round of the background task could fail. Back at most
+    :data:`PARTITION_DAYS_BEHIND_MAX` days: a past day's partition was made
+    ahead when it was to come, so behind only matters after a fresh migration
+    or a purge shorter than the window, and a window of years would make
+    thousands of empty tables; an event of a day further back gets its
+    partition on demand (``TelemetryRepository.insert_events``).
+    """
+    window = EventWindow.from_settings(settings, now)
+    first = max(window.earliest.astimezone(dt.UTC).date(),
+                now.astimezone(dt.UTC).date() - dt.timedelta(days=PARTITION_DAYS_BEHIND_MAX))
+    last = max(window.latest.astimezone(dt.UTC).date(),
+               now.astimezone(dt.UTC).date() + dt.timedelta(days=settings.telemetry_partition_days_ahead))
+    return first, last
+
+
+def ensure_partitions(session: Session, settings: ControlPlaneSettings, now: dt.datetime) -> list[str]:
+    """Create the missing raw-event partitions of :func:`partition_days` (PostgreSQL; nothing on SQLite)."""
+    first, last = partition_days(settings, now)
+    days = (first + dt.timedelta(days=n) for n in range((last - first).days + 1))
+    return TelemetryRepository(session).ensure_partition_days(days)
 
 
 # --- reads --------------------------------------------------------------------------------------
