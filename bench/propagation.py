@@ -268,7 +268,8 @@ def control_plane(database_url: str, log_dir: Path, *, ready_timeout: float = 60
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "controlplane.app:create_app",
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log"],
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log",
+             "--timeout-keep-alive", "20"],  # as `specgate serve` runs it (controlplane/cli.py, KEEP_ALIVE_S)
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", process, log)
     try:

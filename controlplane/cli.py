@@ -24,6 +24,9 @@ generation_app = typer.Typer(help="The distribution generation that sidecars ref
 __all__ = ["db_app", "generation_app", "keys_app", "serve", "signing_key_app", "telemetry_app"]
 
 
+# Seconds an idle client connection is kept open (see serve).
+KEEP_ALIVE_S = 20
+
 def serve(host: Annotated[str, typer.Option()] = "127.0.0.1",
           port: Annotated[int, typer.Option()] = 8080,
           migrate: Annotated[bool, typer.Option(help="upgrade the schema before serving")] = True) -> None:
@@ -38,7 +41,11 @@ def serve(host: Annotated[str, typer.Option()] = "127.0.0.1",
         upgrade(settings.database_url)
     # Long-polls (up to long_poll_max_s) and change streams never end on their own: without a bound, SIGTERM
     # would wait for them. After it, they are cancelled (workers reconnect) and the lifespan shutdown runs.
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    # Idle keep-alive connections are kept longer than the sidecar's client keeps them (aiohttp: 15 s), so the
+    # client always closes first. With uvicorn's 5 s a sidecar heartbeating every 5 s reused a connection as
+    # the server closed it, and lost that heartbeat (1 in 10 in bench/fleet.py).
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 @db_app.command("upgrade")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Path, Query, Request, Response
 from sqlalchemy.exc import IntegrityError
+from starlette.concurrency import run_in_threadpool
 
+from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
 from controlplane.deps import Reader, SessionDep, WorkerKey
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, problems
@@ -53,10 +57,20 @@ def register(body: WorkerRegister, request: Request, response: Response,
 @router.post("/workers/{worker_id}/heartbeat", response_model=HeartbeatAck,
              responses={**problems({403: "worker-not-allowed: the key is not bound to this worker",
                                     404: "worker-not-found: the worker is not registered"}), **_BODY})
-def heartbeat(session: SessionDep, who: WorkerKey,
-              worker_id: str = Path(max_length=128, pattern=WORKER_ID_PATTERN),
-              body: WorkerHeartbeat | None = None) -> HeartbeatAck:
-    return service.heartbeat(session, worker_id, body or WorkerHeartbeat(), who=who)
+async def heartbeat(request: Request, who: WorkerKey,
+                    worker_id: str = Path(max_length=128, pattern=WORKER_ID_PATTERN),
+                    body: WorkerHeartbeat | None = None) -> HeartbeatAck:
+    # Its own unit of work, committed in the thread that did the work, not SessionDep: a synchronous endpoint's
+    # session keeps its connection until the response has been validated, which FastAPI does on another thread.
+    # A burst of heartbeats (every sidecar at once after a publish) then held every connection while waiting
+    # for a thread, and every thread while waiting for a connection, until the pool timed out: from about 100
+    # workers the control plane stalled (bench/fleet.py).
+    return await run_in_threadpool(_heartbeat, request.app, worker_id, body or WorkerHeartbeat(), who)
+
+
+def _heartbeat(app: Any, worker_id: str, body: WorkerHeartbeat, who: Principal) -> HeartbeatAck:
+    with unit_of_work(app.state.sessions) as session:
+        return service.heartbeat(session, worker_id, body, who=who)
 
 
 @router.get("/workers", response_model=WorkerPage, responses=INVALID_RESPONSE)

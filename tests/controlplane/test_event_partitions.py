@@ -24,7 +24,7 @@ from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry import service
 from controlplane.telemetry.repository import TelemetryRepository, day_start
 from specgate.cli import app as cli_app
-from tests.controlplane.test_telemetry import assert_rollups_equal_raw
+from tests.support.rollup_check import assert_rollups_equal_raw
 from tests.support.telemetry_bodies import event
 from wire.telemetry import TelemetryEvent
 
