@@ -21,12 +21,15 @@ import math
 from bisect import bisect_right
 from collections.abc import Mapping
 
+from wire.telemetry import HISTOGRAM_BUCKETS, HISTOGRAM_METRICS
+
 LOWEST_MS = 0.1
 FACTOR = 1.35
-NUM_BUCKETS = 48
+# The wire contract's: a pre-aggregating worker sends its histograms in these buckets.
+NUM_BUCKETS = HISTOGRAM_BUCKETS
 # NUM_BUCKETS - 1 edges separate NUM_BUCKETS buckets.
 EDGES: tuple[float, ...] = tuple(LOWEST_MS * FACTOR**k for k in range(NUM_BUCKETS - 1))
-METRICS: tuple[str, ...] = ("ttft", "itl", "e2e")
+METRICS: tuple[str, ...] = HISTOGRAM_METRICS
 
 
 def bucket_index(value: float) -> int:

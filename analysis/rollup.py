@@ -62,7 +62,8 @@ from typing import Any
 
 from analysis.buckets import batch_bucket
 from analysis.histogram import bucket_index
-from wire.telemetry import TelemetryEvent
+from wire.telemetry import ROLLUP_FLOAT_COUNTERS, ROLLUP_INT_COUNTERS, TelemetryEvent
+from wire.telemetry import RollupDelta as WireDelta
 
 KEY_FIELDS: tuple[str, ...] = ("minute", "policy", "revision", "route", "engine", "batch_bucket", "explored",
                                 "k0")
@@ -116,6 +117,9 @@ class Totals:
 COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Totals))
 FLOAT_COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Totals) if f.type in (float, "float"))
 INT_COUNTERS: tuple[str, ...] = tuple(name for name in COUNTERS if name not in FLOAT_COUNTERS)
+# A pre-aggregating worker sends these counters by name (wire.telemetry.RollupDelta): the two lists are one.
+if set(INT_COUNTERS) != set(ROLLUP_INT_COUNTERS) or set(FLOAT_COUNTERS) != set(ROLLUP_FLOAT_COUNTERS):
+    raise ImportError("analysis.rollup.Totals and wire.telemetry's rollup counters differ")
 # A cohort (analysis.cells) carries these under the same names.
 SHADOW_COUNTERS: tuple[str, ...] = tuple(name for name in COUNTERS if name.startswith("shadow_"))
 
@@ -154,9 +158,14 @@ class RollupDelta:
         self.histograms: dict[str, dict[int, int]] = {"ttft": {}, "itl": {}, "e2e": {}}
 
 
-def aggregate(events: Iterable[TelemetryEvent]) -> dict[RollupKey, RollupDelta]:
-    """Group events by rollup key and sum them; a batch's hundreds of events become a few rows."""
-    out: dict[RollupKey, RollupDelta] = {}
+def aggregate(events: Iterable[TelemetryEvent],
+              into: dict[RollupKey, RollupDelta] | None = None) -> dict[RollupKey, RollupDelta]:
+    """Group events by rollup key and sum them; a batch's hundreds of events become a few rows.
+
+    With ``into``, the events are added to those deltas (a pre-aggregating worker's running minute) and
+    ``into`` is returned.
+    """
+    out: dict[RollupKey, RollupDelta] = {} if into is None else into
     minutes: dict[dt.datetime, dt.datetime] = {}
     for ev in events:
         time = ev.time
@@ -246,3 +255,37 @@ def aggregate(events: Iterable[TelemetryEvent]) -> dict[RollupKey, RollupDelta]:
             if not check:
                 t.shadow_check_failed += 1
     return out
+
+
+def delta_key(delta: WireDelta) -> RollupKey:
+    """The rollup key of a worker's delta (its minute in UTC, as :func:`minute_of` gives an event's)."""
+    return (minute_of(delta.minute), delta.policy, delta.revision, delta.route, delta.engine, delta.batch_bucket,
+            delta.explored, delta.k0)
+
+
+def add_delta(out: dict[RollupKey, RollupDelta], delta: WireDelta) -> None:
+    """Add a worker's delta to the deltas of a batch: the same sums :func:`aggregate` makes from events."""
+    key = delta_key(delta)
+    into = out.get(key)
+    if into is None:
+        into = out[key] = RollupDelta()
+    totals = into.totals
+    for name, value in delta.counters.items():
+        setattr(totals, name, getattr(totals, name) + value)
+    for metric, counts in delta.histograms.items():
+        hist = into.histograms[metric]
+        for bucket, count in counts.items():
+            hist[bucket] = hist.get(bucket, 0) + count
+
+
+def to_wire(key: RollupKey, delta: RollupDelta, *, delta_id: str, pool: str) -> dict[str, Any]:
+    """A delta as a worker sends it (``wire.telemetry.RollupDelta``'s fields, ready for JSON but for the minute,
+    an aware datetime in UTC): only counters above 0, only histograms with counts."""
+    minute, policy, revision, route, engine, bucket, explored, k0 = key
+    totals = delta.totals
+    return {"delta_id": delta_id, "minute": minute, "pool": pool, "policy": policy, "revision": revision,
+            "route": route, "engine": engine, "batch_bucket": bucket, "explored": explored, "k0": k0,
+            "counters": {name: value for name in COUNTERS if (value := getattr(totals, name))},
+            # JSON object keys are strings; the contract reads them back as bucket numbers
+            "histograms": {metric: {str(bucket): count for bucket, count in counts.items()}
+                           for metric, counts in delta.histograms.items() if counts}}

@@ -386,12 +386,36 @@ class SummaryRow(Answer):
     shadow: ShadowSummary | None  # None: nothing compared
 
 
+class Basis(Answer):
+    """The raw events a figure rests on; ``estimated`` when a pre-aggregating worker's samples are among them."""
+
+    events: int
+    sampled_events: int
+    represented_requests: int | float
+    estimated: bool
+
+    def note(self, setting: str = "telemetry.raw_sample_rate") -> str | None:
+        """The sentence a reader needs where the figures are estimates; None where every event stood for itself.
+
+        The dashboard and the command line both say it, in the same words.
+        """
+        if not self.estimated:
+            return None
+        why = f"({setting}: pre-aggregating workers send only a sample of their requests as raw events)"
+        if self.sampled_events == self.events:
+            return (f"Estimated from {self.sampled_events:,} sampled requests standing for about "
+                    f"{self.represented_requests:,.0f} {why}.")
+        return (f"Estimated from {self.events:,} recorded requests, {self.sampled_events:,} of them sampled, "
+                f"standing for about {self.represented_requests:,.0f} {why}.")
+
+
 class WorkerSummary(Answer):
     key: dict[str, Any]
-    requests: int
+    requests: int | float  # a float only when estimated from sampled events
     acceptance_rate: float | None
     itl_ms_mean: float | None
     error_rate: float | None
+    basis: Basis
 
 
 class SummaryReport(Answer):
@@ -399,6 +423,7 @@ class SummaryReport(Answer):
     rows: list[SummaryRow]
     workers: list[WorkerSummary] | None = None
     replicas: list[WorkerSummary] | None = None
+    basis: Basis | None = None  # with workers or replicas
     truncated: bool
 
 
@@ -531,6 +556,7 @@ class WhatIf(Answer):
     routes: list[dict[str, Any]]
     all_routes: dict[str, Any]
     truncated: bool
+    basis: Basis
     method: str
 
 

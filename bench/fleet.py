@@ -39,11 +39,22 @@ Run ``python -m bench.fleet --workers 1000 --seconds 60 --out /tmp/fleet.json``
    rollups.
 
 Telemetry modes (``--mode``): ``raw`` sends one event per request, as the
-sidecar does today; ``off`` sends none (the fleet's cost without telemetry:
-long-polls, streams, heartbeats, publishes). Edge pre-aggregation (deltas
-plus sampled events) does not exist yet; a ``deltas`` mode is another
-:class:`TelemetryShape` (what one batch holds and where it goes) and needs
-nothing else here.
+sidecar does under a policy without a ``telemetry`` section; ``deltas`` gives
+the fleet's policy ``telemetry: {raw_sample_rate: R}`` (``--raw-sample-rate``,
+0.01 by default) and each worker sends what sidecar/telemetry.py sends then:
+rollup deltas of every request (``analysis.rollup.aggregate`` into its running
+deltas, finished with ``to_wire`` every ``--delta-flush-s``, by default the
+sidecar's ``telemetry_rollup_flush_s``) plus the sampled events
+(``CompiledPolicy.raw_sampled``) with their ``sample_weight``, held until the
+deltas go (or a batch is full), as the exporter holds them; ``off`` sends none (the fleet's cost without
+telemetry: long-polls, streams, heartbeats, publishes). Several modes,
+comma-separated (``--mode raw,deltas``), run one after the other, each on a
+fresh database and control plane (``--rounds`` repeats the sequence), and end
+with a comparison: represented requests (what the rollups gained), events
+stored, control-plane and PostgreSQL CPU per 1,000 represented requests,
+represented requests per control-plane CPU-second, table growth per million,
+and deltas against raw. Every run checks that the rollups count exactly the
+requests the workers represented.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ import gzip
 import json
 import os
 import random
+import secrets
 import signal
 import sys
 import tempfile
@@ -64,14 +76,18 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
-from sqlalchemy import Connection, Engine, create_engine, text
+import orjson
+import yaml
+from sqlalchemy import Connection, Engine, create_engine, text, update
 from sqlalchemy.engine import make_url
 
+from analysis.rollup import RollupDelta as Sums
+from analysis.rollup import RollupKey, aggregate, to_wire
 from bench.ingest import make_event, process_tree_cpu_s
 from bench.machine import machine_facts
 from bench.propagation import (
@@ -89,21 +105,30 @@ from bench.propagation import (
     loadavg,
     machine_cpu,
     percentile,
-    seed,
+    policy_text,
+    seed_policy,
     summarize,
 )
 from bench.propagation import _loop_factory as loop_factory
+from controlplane.auth.local import mint_keys
+from controlplane.auth.schemas import Scope
+from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+from controlplane.models import FleetState
+from policies import BundlePayload, CompiledPolicy, Revision, load_policy
 from sidecar.settings import SidecarSettings
 from sidecar.support import Backoff
 from sidecar.sync import LONG_POLL_GRACE_S, REQUEST_TIMEOUT_S, SSE_READ_TIMEOUT_S, normalize_etag, sidecar_version
-from sidecar.telemetry import BATCHES_PATH, GZIP_LEVEL, RETRY_STATUSES
-from wire.telemetry import TelemetryBatch, TelemetryEvent
+from sidecar.telemetry import BATCHES_PATH, GZIP_LEVEL, RETRY_STATUSES, encode_event
+from wire.telemetry import EVENT_SCHEMA_VERSION, TelemetryBatch, TelemetryEvent
 
 DEFAULT_POSTGRES_URL = os.environ.get("SPECGATE_BENCH_POSTGRES_URL",
                                       "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-TELEMETRY_TABLES = ("telemetry_events", "telemetry_rollups", "telemetry_rollup_histograms", "telemetry_batches")
-MODES = ("raw", "off")
+TELEMETRY_TABLES = ("telemetry_events", "telemetry_rollups", "telemetry_rollup_histograms", "telemetry_batches",
+                    "telemetry_rollup_deltas")
+MODES = ("raw", "deltas", "off")
 SAMPLE_S = 0.5
+# Issue 20: pre-aggregated at 1 % samples, this many times the represented requests per control-plane CPU-second.
+GOAL_DELTAS_OVER_RAW = 50.0
 LAG_TICK_S = 0.1
 # The exporter's defaults (sidecar/telemetry.py: TelemetryExporter.__init__).
 TELEMETRY_RETRY_BASE_S, TELEMETRY_RETRY_MAX_S, TELEMETRY_TIMEOUT_S = 0.5, 10.0, 10.0
@@ -120,6 +145,10 @@ class FleetConfig:
     publishes: int = 10
     rps_per_worker: float = 2.0
     mode: str = "raw"
+    # deltas mode: the policy's telemetry.raw_sample_rate, and how often a worker finishes its running deltas
+    # (sidecar/telemetry.py: telemetry_rollup_flush_s; 0: at every flush)
+    raw_sample_rate: float = 0.01
+    delta_flush_s: float = _sidecar_default("telemetry_rollup_flush_s")
     sse: bool = True
     warmup_s: float = 5.0
     heartbeat_s: float = _sidecar_default("heartbeat_s")
@@ -145,6 +174,7 @@ class OutgoingBatch:
     body: bytes  # gzip-compressed
     events: int  # rows it asks the control plane to store
     requests: int  # requests it represents
+    deltas: int = 0  # rollup deltas it carries
 
 
 class TelemetryShape(Protocol):
@@ -183,6 +213,103 @@ class RawTelemetry:
         return out
 
 
+class DeltaTelemetry:
+    """Pre-aggregated (the policy's ``telemetry.raw_sample_rate`` below 1), as sidecar/telemetry.py sends it.
+
+    Every request goes into the worker's running rollup deltas (``analysis.rollup.aggregate(..., into=)``);
+    the sampled ones (``CompiledPolicy.raw_sampled``) also go as events carrying ``sample_weight``. The running
+    deltas are finished (``to_wire``, an id of the worker's sequence) every ``delta_flush_s`` (the sidecar's
+    ``telemetry_rollup_flush_s``), and the sampled events wait for them unless a batch's worth is held, as the
+    exporter does. A batch carries at most ``batch_size`` events and ``batch_size`` deltas.
+    """
+
+    name = "deltas"
+
+    def __init__(self, batch_size: int, run: str, policies: dict[str, CompiledPolicy], delta_flush_s: float) -> None:
+        self.batch_size = batch_size
+        self.run = run
+        self.policies = policies  # by revision id
+        self.delta_flush_s = delta_flush_s
+
+    def batches(self, worker: SimWorker, requests: int, now: float) -> list[OutgoingBatch]:
+        at = dt.datetime.fromtimestamp(now, dt.UTC)
+        policy = self.policies[worker.revision or ""]
+        weight = 1.0 / policy.raw_sample_rate
+        events = []
+        for i in range(requests):
+            worker.sequence += 1
+            values = make_event(worker.rng, f"{self.run}-{worker.index}-{worker.sequence}", worker.id,
+                                at - dt.timedelta(milliseconds=(requests - 1 - i) * 7))
+            values.update(pool=POOL, policy=POLICY, revision=worker.revision or "", kill_switch=worker.kill_switch)
+            if policy.raw_sampled(values["request_id"]):
+                values["sample_weight"] = weight
+            events.append(TelemetryEvent.model_validate(values))
+        aggregate(events, into=worker.running)
+        worker.held.extend(encode_event(e) for e in events if e.sample_weight is not None)
+        deltas: list[tuple[bytes, int]] = []
+        if not worker.deltas_finished_at:
+            # Workers started at different moments: their held deltas do not all fall due at once.
+            worker.deltas_finished_at = now - worker.rng.random() * self.delta_flush_s
+        due = worker.final_flush or now - worker.deltas_finished_at >= self.delta_flush_s
+        if due and worker.running:
+            running, worker.running = worker.running, {}
+            worker.deltas_finished_at = now
+            for key, sums in running.items():
+                worker.delta_seq += 1
+                delta = to_wire(key, sums, delta_id=f"{self.run}-{worker.index}-{worker.delta_seq}", pool=POOL)
+                deltas.append((orjson.dumps(delta, option=orjson.OPT_UTC_Z), sums.totals.requests))
+        sampled: list[bytes] = []
+        if due or len(worker.held) >= self.batch_size:
+            sampled, worker.held = worker.held, []
+        out = []
+        head = orjson.dumps({"batch_id": "", "worker_id": worker.id, "schema_version": EVENT_SCHEMA_VERSION})
+        for start in range(0, max(len(sampled), len(deltas)), self.batch_size):
+            part = sampled[start:start + self.batch_size]
+            ride = deltas[start:start + self.batch_size]
+            batch_id = uuid.uuid4().hex
+            # The exporter's _join: the envelope, the events as encoded, the deltas; gzip level 1.
+            parts = [head[:-1].replace(b'"batch_id":""', f'"batch_id":"{batch_id}"'.encode()),
+                     b',"events":[', b",".join(part), b'],"rollups":[', b",".join(d for d, _ in ride), b"]}"]
+            out.append(OutgoingBatch(batch_id, BATCHES_PATH, gzip.compress(b"".join(parts), GZIP_LEVEL, mtime=0),
+                                     len(part), sum(n for _, n in ride), len(ride)))
+        return out
+
+
+def fleet_policy_text(threshold: int, raw_sample_rate: float) -> str:
+    """bench.propagation's policy, pre-aggregated below a rate of 1 (``telemetry.raw_sample_rate``)."""
+    document = yaml.safe_load(policy_text(threshold))
+    if raw_sample_rate < 1.0:
+        document["telemetry"] = {"raw_sample_rate": raw_sample_rate}
+    return yaml.safe_dump(document, sort_keys=False)
+
+
+def seed(url: str, raw_sample_rate: float = 1.0) -> tuple[Fixture, dict[str, CompiledPolicy]]:
+    """bench.propagation.seed with the fleet's policy: revision A active, B a draft, keys, expected ETags; and
+    the revisions compiled as a worker compiles its bundle (the raw sample's salt comes from the cohort
+    secret)."""
+    texts = [fleet_policy_text(4 + i, raw_sample_rate) for i in range(2)]
+    revisions = seed_policy(url, texts)
+    keys = mint_keys(url, {"bench-workers": Scope.worker, "bench-operator": Scope.operator}, created_by="bench",
+                     pools={"bench-workers": POOL})
+    cohort_secret = secrets.token_hex(32)
+    engine = make_engine(url)
+    try:
+        with unit_of_work(make_sessionmaker(engine)) as session:
+            session.execute(update(FleetState).where(FleetState.id == 1).values(cohort_secret=cohort_secret))
+    finally:
+        engine.dispose()
+    etags, compiled = {}, {}
+    for rid, source in zip(revisions, texts, strict=True):
+        document = load_policy(source)
+        revision = Revision.of(document)
+        if revision.id != rid:
+            raise BenchError(f"revision {rid} was stored, the document hashes to {revision.id}")
+        compiled[rid] = CompiledPolicy(document, rid, cohort_secret=cohort_secret)
+        for kill_switch in (False, True):
+            etags[(rid, kill_switch)] = BundlePayload(revision, None, kill_switch, cohort_secret).etag
+    return Fixture(keys["bench-workers"], keys["bench-operator"], revisions, etags), compiled
+
+
 # --- the simulated workers ----------------------------------------------------------------------
 
 
@@ -199,6 +326,13 @@ class SimWorker:
     # The long-poll in flight asks about this ETag (set just before it is sent).
     polling_with: str | None = None
     sequence: int = 0
+    # deltas mode: the running rollup deltas, their sequence, when they were last finished, and whether this
+    # is the last flush (the drain: whatever runs is finished now)
+    running: dict[RollupKey, Sums] = field(default_factory=dict)
+    delta_seq: int = 0
+    deltas_finished_at: float = 0.0
+    final_flush: bool = False
+    held: list[bytes] = field(default_factory=list)  # sampled events waiting for the deltas
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     heartbeat_now: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -454,8 +588,11 @@ class Fleet:
                     self.acc.counts[f"heartbeat.{resp.status}"] += 1
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.acc.error("heartbeat", f"{type(exc).__name__}: {exc}")
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns when the event is set in the same
+            # turn as a cancel, swallowing it, and stop() then waited for ever on a loop that went on heartbeating.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(worker.heartbeat_now.wait(), self.config.heartbeat_s)
+                async with asyncio.timeout(self.config.heartbeat_s):
+                    await worker.heartbeat_now.wait()
             worker.heartbeat_now.clear()
 
     # --- telemetry (sidecar/telemetry.py)
@@ -471,7 +608,11 @@ class Fleet:
         queue: list[OutgoingBatch] = []
         backoff = Backoff(TELEMETRY_RETRY_BASE_S, TELEMETRY_RETRY_MAX_S)
         next_at = last + interval
-        while self.generating or queue:
+        while self.generating or queue or ((worker.running or worker.held) and not worker.final_flush):
+            if not self.generating and not worker.final_flush:
+                # The drain: deltas still running (held past a flush by --delta-flush-s) go now.
+                worker.final_flush = True
+                queue.extend(self.shape.batches(worker, 0, time.time()))
             if self.generating:
                 # Requests arrive whether or not the last batch went out: a slow control plane makes
                 # bigger (or more) batches, never fewer requests.
@@ -518,6 +659,9 @@ class Fleet:
             self.acc.counts["telemetry.batches_acked"] += 1
             self.acc.counts["telemetry.events_acked"] += batch.events
             self.acc.counts["telemetry.requests_acked"] += batch.requests
+            self.acc.counts["telemetry.deltas_acked"] += batch.deltas
+            self.acc.counts["telemetry.deltas_stored"] += int(ack.get("rollups_stored") or 0)
+            self.acc.counts["telemetry.deltas_rejected"] += int(ack.get("rollups_rejected_count") or 0)
             self.acc.counts["telemetry.events_stored"] += int(ack.get("stored", 0))
             self.acc.counts["telemetry.events_rejected"] += int(ack.get("rejected_count", 0))
             self.acc.counts["telemetry.duplicate_batches"] += bool(ack.get("duplicate"))
@@ -527,6 +671,7 @@ class Fleet:
             return "retry"
         self.acc.error("telemetry", f"{worker_id}: batch {batch.batch_id} refused: HTTP {status} {answer[:200]!r}")
         self.acc.counts["telemetry.events_dropped"] += batch.events
+        self.acc.counts["telemetry.deltas_dropped"] += batch.deltas
         return "dropped"
 
     # --- publishes
@@ -592,9 +737,13 @@ class Sampler:
             "FROM pg_partition_tree(CAST(:t AS regclass)) WHERE relid <> CAST(:t AS regclass)), 0)"),
             {"t": table}).scalar_one()) for table in TELEMETRY_TABLES}
         events = int(self.conn.execute(text("SELECT count(*) FROM telemetry_events")).scalar_one())
+        # Represented requests, whichever the mode: what the rollups count (raw: one per stored event).
+        rolled_up = int(self.conn.execute(text("SELECT coalesce(sum(requests), 0) FROM telemetry_rollups"))
+                        .scalar_one())
         wal = str(self.conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one())
         return {"at": time.monotonic(), "cp_cpu_s": process_tree_cpu_s(self.cp_pid),
-                "pg_cpu": dict(self.pg_cpu), "sizes": sizes, "events": events, "wal_lsn": wal,
+                "pg_cpu": dict(self.pg_cpu), "sizes": sizes, "events": events, "rolled_up": rolled_up,
+                "wal_lsn": wal,
                 "sim_cpu_s": time.process_time(), "machine": machine_cpu(), "loadavg": loadavg()}
 
     def wal_bytes(self, start: str, end: str) -> int:
@@ -607,9 +756,10 @@ class Sampler:
             row = self.conn.execute(text(
                 "SELECT (SELECT count(*) FROM telemetry_events), (SELECT count(DISTINCT event_id) FROM "
                 "telemetry_events), (SELECT coalesce(sum(requests), 0) FROM telemetry_rollups), "
-                "(SELECT count(*) FROM telemetry_batches)")).one()
+                "(SELECT count(*) FROM telemetry_batches), (SELECT count(*) FROM telemetry_rollup_deltas), "
+                "(SELECT count(*) FROM telemetry_events WHERE sample_weight IS NOT NULL)")).one()
         return {"events_in_db": int(row[0]), "distinct_event_ids": int(row[1]), "events_in_rollups": int(row[2]),
-                "batch_records": int(row[3])}
+                "batch_records": int(row[3]), "delta_records": int(row[4]), "sampled_events_in_db": int(row[5])}
 
 
 async def sample_forever(sampler: Sampler, acc: Accounting) -> None:
@@ -730,10 +880,14 @@ async def edge(fleet: Fleet, sampler: Sampler) -> tuple[dict[str, Any], Counter[
     return snap, counts, errors
 
 
-async def drive(server: Server, fixture: Fixture, url: str, config: FleetConfig,
-                progress: bool = False) -> dict[str, Any]:
+async def drive(server: Server, fixture: Fixture, policies: dict[str, CompiledPolicy], url: str,
+                config: FleetConfig, progress: bool = False) -> dict[str, Any]:
     run = uuid.uuid4().hex[:8]
-    shape: TelemetryShape | None = RawTelemetry(config.batch_size, run) if config.mode == "raw" else None
+    shape: TelemetryShape | None = None
+    if config.mode == "raw":
+        shape = RawTelemetry(config.batch_size, run)
+    elif config.mode == "deltas":
+        shape = DeltaTelemetry(config.batch_size, run, policies, config.delta_flush_s)
     fleet = Fleet(server, fixture, config, shape)
     operator = aiohttp.ClientSession(server.url, headers={"Authorization": f"Bearer {fixture.operator_token}"},
                                      timeout=aiohttp.ClientTimeout(total=config.publish_timeout_s))
@@ -813,8 +967,8 @@ def measure(fleet: Fleet, config: FleetConfig, rounds: list[dict[str, Any]], sta
     busy = (end["machine"][0] - start["machine"][0]) / max(1, end["machine"][1] - start["machine"][1])
     ncpu = os.cpu_count() or 1
     stored = end["events"] - start["events"]
-    # Raw mode: a stored event is a request. (A deltas mode will count represented requests from its acks.)
-    requests = stored if config.mode == "raw" else 0
+    # What the rollups gained: raw, one request per stored event; deltas, the requests the deltas stand for.
+    requests = end["rolled_up"] - start["rolled_up"]
     growth = {t: end["sizes"][t] - start["sizes"][t] for t in TELEMETRY_TABLES}
     in_window = [lat for at, lat in fleet.acc.batch_latencies if start["at"] <= at <= end["at"]]
     lags = [lag for at, lag in fleet.acc.loop_lags if start["at"] <= at <= end["at"]]
@@ -827,6 +981,16 @@ def measure(fleet: Fleet, config: FleetConfig, rounds: list[dict[str, Any]], sta
     complete = [r["all_s"] for r in rounds if r["all_s"] is not None]
     check = extra["check"]
     acked_stored = fleet.acc.counts["telemetry.events_stored"]
+    total = fleet.acc.counts
+    # Exactness: every request a worker represented is counted once in the rollups, whichever the mode.
+    represented = total["requests.generated"]
+    if config.mode == "raw":
+        events_ok = check["events_in_db"] == check["events_in_rollups"] and check["sampled_events_in_db"] == 0
+    else:
+        events_ok = (check["sampled_events_in_db"] == check["events_in_db"]
+                     and total["telemetry.deltas_stored"] == total["telemetry.deltas_acked"]
+                     == check["delta_records"] and total["telemetry.deltas_rejected"] == 0
+                     and total["telemetry.deltas_dropped"] == 0)
     return {
         "window_s": wall,
         "setup_s": extra["setup_s"],
@@ -849,6 +1013,12 @@ def measure(fleet: Fleet, config: FleetConfig, rounds: list[dict[str, Any]], sta
             "generated_requests_per_s": counts["requests.generated"] / wall,
             "acked_requests_per_s": counts["telemetry.requests_acked"] / wall,
             "stored_events_per_s": stored / wall,
+            "represented_requests": requests,
+            "represented_requests_per_s": requests / wall,
+            "events_stored": stored,
+            "raw_sample_rate": config.raw_sample_rate if config.mode == "deltas" else 1.0,
+            "deltas_per_s": counts["telemetry.deltas_acked"] / wall,
+            "deltas_per_request": counts["telemetry.deltas_acked"] / requests if requests else None,
             "batches_per_s": counts["telemetry.batches_acked"] / wall,
             "events_per_batch": (counts["telemetry.events_acked"] / counts["telemetry.batches_acked"]
                                  if counts["telemetry.batches_acked"] else None),
@@ -870,6 +1040,7 @@ def measure(fleet: Fleet, config: FleetConfig, rounds: list[dict[str, Any]], sta
             "others_cores": max(0.0, busy * ncpu - (cp_cpu + pg_cpu + sim_cpu) / wall),
             "per_1000_requests": {"control_plane_s": _per(cp_cpu, requests, 1000),
                                   "postgres_s": _per(pg_cpu, requests, 1000)},
+            "requests_per_control_plane_cpu_s": requests / cp_cpu if cp_cpu > 0 else None,
             "pg_backends_seen": extra["pg_backends_seen"],
             "loadavg": {"start": start["loadavg"], "end": end["loadavg"]},
         },
@@ -880,6 +1051,7 @@ def measure(fleet: Fleet, config: FleetConfig, rounds: list[dict[str, Any]], sta
             "bytes_per_million_requests": {t: _per(g, requests, 1e6) for t, g in
                                            {**growth, "total": sum(growth.values())}.items()},
             "wal_bytes_server_wide": extra["wal_bytes"],
+            "wal_bytes_per_million_requests_server_wide": _per(extra["wal_bytes"], requests, 1e6),
         },
         "requests_in_window": {k: v for k, v in sorted(counts.items()) if not k.startswith("telemetry.events")},
         "errors_in_window": dict(errors),
@@ -896,7 +1068,14 @@ def measure(fleet: Fleet, config: FleetConfig, rounds: list[dict[str, Any]], sta
             "batches_acked": fleet.acc.counts["telemetry.batches_acked"],
             "events_acked_stored": acked_stored,
             "events_dropped": fleet.acc.counts["telemetry.events_dropped"],
-            "ok": (check["events_in_db"] == acked_stored == check["distinct_event_ids"] == check["events_in_rollups"]
+            "requests_represented": represented,
+            "requests_in_rollups": check["events_in_rollups"],
+            "exact": check["events_in_rollups"] == represented,
+            "deltas_acked": total["telemetry.deltas_acked"],
+            "deltas_stored": total["telemetry.deltas_stored"],
+            "deltas_rejected": total["telemetry.deltas_rejected"],
+            "ok": (check["events_in_db"] == acked_stored == check["distinct_event_ids"] and events_ok
+                   and check["events_in_rollups"] == represented
                    and fleet.acc.counts["telemetry.events_dropped"] == 0 and extra["drained"]
                    and fleet.acc.counts["telemetry.events_rejected"] == 0
                    and check["batch_records"] == fleet.acc.counts["telemetry.batches_acked"]),
@@ -916,14 +1095,14 @@ def run(config: FleetConfig, postgres_url: str = DEFAULT_POSTGRES_URL, progress:
         logs.mkdir(parents=True, exist_ok=True)
         url = stack.enter_context(fresh_database("postgresql", postgres_url))
         report["database"] = make_url(url).database
-        fixture = seed(url)
+        fixture, policies = seed(url, config.raw_sample_rate if config.mode == "deltas" else 1.0)
         with control_plane(url, logs) as server:
             if progress:
                 print(f"control plane up at {server.url} (pid {server.process.pid}); starting {config.workers} "
                       f"workers", file=sys.stderr, flush=True)
             try:
                 with asyncio.Runner(loop_factory=loop_factory()) as runner:
-                    report.update(runner.run(drive(server, fixture, url, config, progress)))
+                    report.update(runner.run(drive(server, fixture, policies, url, config, progress)))
             except BenchError as exc:
                 raise BenchError(f"{exc}\n--- control plane log (tail) ---\n{server.tail()}") from None
     return report
@@ -946,7 +1125,8 @@ def render(report: dict[str, Any]) -> str:
                 f"requests {u['requests']}\nerrors {u['errors']}, e.g. {u['error_examples'][:3]}")
     c, p, t, cpu, s = report["config"], report["propagation"], report["telemetry"], report["cpu"], report["storage"]
     m = report["machine"]
-    lines = [f"{c['workers']} workers, mode {c['mode']}, {c['rps_per_worker']:g} requests/s each, SSE "
+    mode = c["mode"] + (f" (raw sample {c['raw_sample_rate']:g})" if c["mode"] == "deltas" else "")
+    lines = [f"{c['workers']} workers, mode {mode}, {c['rps_per_worker']:g} requests/s each, SSE "
              f"{'on' if c['sse'] else 'off'}; window {report['window_s']:.1f} s after {report['setup_s']:.1f} s "
              f"of set-up; {m['cpu']} ({m['nproc']} CPUs), load {cpu['loadavg']['start']} -> {cpu['loadavg']['end']}"]
     a = p["all_s"]
@@ -970,6 +1150,11 @@ def render(report: dict[str, Any]) -> str:
                      f"events/s in {t['batches_per_s']:,.0f} batches/s ({t['events_per_batch'] or 0:.1f} events "
                      f"each); batch latency p50 {_ms(lat.get('p50'))} ms p99 {_ms(lat.get('p99'))} ms; "
                      f"backlog at window end {t['backlog_at_window_end']:,}, retries {t['retries']:,}")
+        lines.append(f"represented in the window: {t['represented_requests']:,} requests (rollups), "
+                     f"{t['events_stored']:,} events stored, {t['deltas_per_s']:,.0f} deltas/s"
+                     + (f" ({t['deltas_per_request']:.2f} a request)" if t["deltas_per_request"] else "")
+                     + (f"; {cpu['requests_per_control_plane_cpu_s']:,.0f} requests per control-plane CPU-s"
+                        if cpu["requests_per_control_plane_cpu_s"] else ""))
     per = cpu["per_1000_requests"]
     per_text = (f"; per 1,000 requests: control plane {per['control_plane_s']:.3f} CPU-s, PostgreSQL "
                 f"{per['postgres_s']:.3f} CPU-s" if per["control_plane_s"] is not None else "")
@@ -987,9 +1172,76 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"refusals (429/5xx) {report['refusals_in_window'] or 'none'}; client errors "
                  f"{report['errors_in_window'] or 'none'}")
     v = report["verify"]
-    lines.append(f"verify: {v['events_in_db']:,} events stored, {v['events_acked_stored']:,} acknowledged as stored, "
-                 f"{v['events_in_rollups']:,} in rollups, {v['batch_records']:,} batch records: "
+    lines.append(f"verify: {v['events_in_db']:,} events stored, {v['events_acked_stored']:,} acknowledged as stored; "
+                 f"{v['requests_represented']:,} requests represented, {v['requests_in_rollups']:,} in the rollups "
+                 f"({'exact' if v['exact'] else 'NOT exact'}); {v['deltas_stored']:,} of {v['deltas_acked']:,} "
+                 f"deltas stored, {v['deltas_rejected']} refused; {v['batch_records']:,} batch records: "
                  f"{'ok' if v['ok'] else 'MISMATCH'}")
+    return "\n".join(lines)
+
+
+def compare(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode, summed over its runs: represented requests, events stored, CPU and growth per request; and
+    the deltas mode against the raw one."""
+    modes: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        if "aborted" in report:
+            continue
+        mode = report["config"]["mode"]
+        m = modes.setdefault(mode, {"runs": 0, "window_s": 0.0, "represented_requests": 0, "events_stored": 0,
+                                    "control_plane_cpu_s": 0.0, "postgres_cpu_s": 0.0, "growth_bytes": 0,
+                                    "wal_bytes_server_wide": 0, "verified": True,
+                                    "loadavg": []})
+        t, cpu, s = report["telemetry"], report["cpu"], report["storage"]
+        m["runs"] += 1
+        m["window_s"] += report["window_s"]
+        m["represented_requests"] += t["represented_requests"]
+        m["events_stored"] += t["events_stored"]
+        m["control_plane_cpu_s"] += cpu["control_plane_s"]
+        m["postgres_cpu_s"] += cpu["postgres_s"]
+        m["growth_bytes"] += s["growth_bytes_total"]
+        m["wal_bytes_server_wide"] += s["wal_bytes_server_wide"]
+        m["verified"] = m["verified"] and report["verify"]["ok"] and report["verify"]["exact"]
+        m["loadavg"].append([cpu["loadavg"]["start"][0], cpu["loadavg"]["end"][0]])
+    for m in modes.values():
+        n = m["represented_requests"]
+        m["control_plane_cpu_s_per_1000"] = _per(m["control_plane_cpu_s"], n, 1000)
+        m["postgres_cpu_s_per_1000"] = _per(m["postgres_cpu_s"], n, 1000)
+        m["requests_per_control_plane_cpu_s"] = n / m["control_plane_cpu_s"] if m["control_plane_cpu_s"] else None
+        m["growth_bytes_per_million"] = _per(m["growth_bytes"], n, 1e6)
+        m["wal_bytes_per_million_server_wide"] = _per(m["wal_bytes_server_wide"], n, 1e6)
+    out: dict[str, Any] = {"modes": modes}
+    raw, deltas = modes.get("raw"), modes.get("deltas")
+    if raw and deltas and raw["requests_per_control_plane_cpu_s"] and deltas["requests_per_control_plane_cpu_s"]:
+        ratio = deltas["requests_per_control_plane_cpu_s"] / raw["requests_per_control_plane_cpu_s"]
+        out["deltas_over_raw"] = {
+            "requests_per_control_plane_cpu_s": ratio,
+            "postgres_cpu_per_request": (deltas["postgres_cpu_s_per_1000"] / raw["postgres_cpu_s_per_1000"]
+                                         if raw["postgres_cpu_s_per_1000"] else None),
+            "growth_per_request": (deltas["growth_bytes_per_million"] / raw["growth_bytes_per_million"]
+                                   if raw["growth_bytes_per_million"] else None),
+            "goal": GOAL_DELTAS_OVER_RAW, "goal_met": ratio >= GOAL_DELTAS_OVER_RAW}
+    return out
+
+
+def render_comparison(comparison: dict[str, Any]) -> str:
+    lines = ["mode    runs  represented  events stored  CP CPU-s/1k  PG CPU-s/1k  req per CP CPU-s  growth MB/M req"]
+    for mode, m in comparison["modes"].items():
+        def num(value: float | None, fmt: str) -> str:
+            return "-" if value is None else format(value, fmt)
+        lines.append(f"{mode:<7} {m['runs']:>4}  {m['represented_requests']:>11,}  {m['events_stored']:>13,}  "
+                     f"{num(m['control_plane_cpu_s_per_1000'], '.4f'):>11}  "
+                     f"{num(m['postgres_cpu_s_per_1000'], '.4f'):>11}"
+                     f"  {num(m['requests_per_control_plane_cpu_s'], ',.0f'):>16}  "
+                     f"{num(m['growth_bytes_per_million'] and m['growth_bytes_per_million'] / 1e6, ',.1f'):>15}"
+                     f"  {'exact' if m['verified'] else 'MISMATCH'}; load {m['loadavg']}")
+    ratio = comparison.get("deltas_over_raw")
+    if ratio:
+        lines.append(f"deltas / raw: {ratio['requests_per_control_plane_cpu_s']:.1f}x represented requests per "
+                     f"control-plane CPU-second (goal {ratio['goal']:g}x: "
+                     f"{'met' if ratio['goal_met'] else 'NOT met'}); PostgreSQL CPU per request x"
+                     f"{ratio['postgres_cpu_per_request'] or 0:.3f}; growth per request x"
+                     f"{ratio['growth_per_request'] or 0:.3f}")
     return "\n".join(lines)
 
 
@@ -1001,8 +1253,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--publishes", type=int, default=defaults.publishes, help="publishes in the window")
     parser.add_argument("--rps-per-worker", type=float, default=defaults.rps_per_worker,
                         help="represented requests per second per worker (default 2)")
-    parser.add_argument("--mode", choices=MODES, default=defaults.mode,
-                        help="raw: an event per request, as the sidecar sends today; off: no telemetry")
+    parser.add_argument("--mode", default=defaults.mode,
+                        help="raw: an event per request; deltas: pre-aggregated (rollup deltas plus sampled "
+                        "events, the policy's telemetry.raw_sample_rate); off: no telemetry; several, comma-"
+                        "separated (raw,deltas): run each in turn, a fresh database each, and compare")
+    parser.add_argument("--raw-sample-rate", type=float, default=defaults.raw_sample_rate,
+                        help="deltas mode: the share of requests also sent as raw events (default 0.01)")
+    parser.add_argument("--delta-flush-s", type=float, default=defaults.delta_flush_s,
+                        help="deltas mode: finish the running deltas (and send the held sample) every this many "
+                        "seconds (default: the sidecar's telemetry_rollup_flush_s)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with several modes: how many times to run the sequence (alternating)")
     parser.add_argument("--no-sse", action="store_true", help="workers do not hold the change stream open")
     parser.add_argument("--ramp", type=float, default=defaults.ramp_s,
                         help="seconds over which the workers start (default 0: all at once)")
@@ -1024,8 +1285,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1 or args.publishes < 0 or args.seconds <= 0:
         parser.error("--workers must be at least 1, --publishes at least 0, --seconds positive")
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--mode: one or more of {', '.join(MODES)}, comma-separated")
+    if not 0.0 < args.raw_sample_rate < 1.0 and "deltas" in modes:
+        parser.error("--raw-sample-rate must be above 0 and below 1 (1 is the raw mode)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     config = FleetConfig(workers=args.workers, seconds=args.seconds, publishes=args.publishes,
-                         rps_per_worker=args.rps_per_worker, mode=args.mode, sse=not args.no_sse,
+                         rps_per_worker=args.rps_per_worker, mode=modes[0], sse=not args.no_sse,
+                         raw_sample_rate=args.raw_sample_rate, delta_flush_s=args.delta_flush_s,
                          warmup_s=args.warmup, ramp_s=args.ramp, heartbeat_s=args.heartbeat_s,
                          batch_size=args.batch_size,
                          flush_s=args.flush_s, publish_timeout_s=args.publish_timeout,
@@ -1037,17 +1306,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (timeout(1), a CI's cancel) as Ctrl-C: the run unwinds, stopping the control plane it started and
     # dropping its database, instead of leaving both behind.
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    reports = []
     try:
-        report = run(config, args.postgres_url, progress=True, log_dir=args.log_dir)
+        for _ in range(args.rounds if len(modes) > 1 else 1):
+            for mode in modes:
+                print(f"bench.fleet: mode {mode}", file=sys.stderr, flush=True)
+                reports.append(run(replace(config, mode=mode), args.postgres_url, progress=True,
+                                   log_dir=args.log_dir))
+                print(render(reports[-1]), flush=True)
     except BenchError as exc:
         print(f"fleet benchmark FAILED: {exc}", file=sys.stderr)
         return 1
-    print(render(report))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
-    if "aborted" in report:
+    if len(reports) > 1:
+        comparison = compare(reports)
+        print(render_comparison(comparison))
+        if args.out:
+            args.out.write_text(json.dumps({"runs": reports, "comparison": comparison}, indent=2))
+    elif args.out:
+        args.out.write_text(json.dumps(reports[0], indent=2))
+    if any("aborted" in r for r in reports):
         return 1
-    return 0 if report["verify"]["ok"] and report["propagation"]["every_worker_every_publish"] else 1
+    return 0 if all(r["verify"]["ok"] and r["propagation"]["every_worker_every_publish"] for r in reports) else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,14 @@ For each database it:
 Reported: events/s stored (rollups on: ingest updates them in the same
 transaction), batches/s, p50/p90/p99 batch latency as the senders saw it, CPU
 seconds of the control-plane process and of the database server's backends
-(PostgreSQL) during the run, and the machine's load average.
+(PostgreSQL) during the run, the same per event stored (µs), and the machine's
+load average.
+
+``--ingest-path copy|json|generic`` picks how raw events are stored
+(bench/ingest_server.py); ``--compare copy,json`` runs the paths named
+alternately, ``--rounds`` times each, every run on a fresh database, and
+reports the medians per path and the events per CPU-second (control plane plus
+PostgreSQL) of each path over the last one named.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ from controlplane.models import TelemetryBatchRecord, TelemetryEventRecord, Tele
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 GOAL_EVENTS_PER_S = 20_000
+# Issue 20: events per CPU-second (control plane + PostgreSQL) of the COPY path over the JSON path.
+GOAL_CPU_RATIO = 3.0
+INGEST_PATHS = ("copy", "json", "generic")
 URL_PATH = "/v1/telemetry/batches"
 
 ROUTES = (("chat", 0.45), ("code", 0.2), ("summarize", 0.12), ("agent", 0.13), ("extract", 0.1))
@@ -203,11 +213,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def control_plane(url: str, *, workers: int, generic_insert: bool, concurrency: int | None,
+def control_plane(url: str, *, workers: int, ingest_path: str, concurrency: int | None,
                   log: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     env = {**os.environ, "SPECGATE_DATABASE_URL": url, "PYTHONPATH": str(ROOT),
-           "SPECGATE_BENCH_GENERIC_INSERT": "1" if generic_insert else "0"}
+           "SPECGATE_BENCH_INGEST_PATH": ingest_path, "SPECGATE_BENCH_GENERIC_INSERT": "0"}
     if concurrency is not None:
         env["SPECGATE_TELEMETRY_INGEST_CONCURRENCY"] = str(concurrency)
     cmd = [sys.executable, "-m", "uvicorn", "--factory", "bench.ingest_server:make_app", "--host", "127.0.0.1",
@@ -350,7 +360,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(kind: str, args: argparse.Namespace, ingest_path: str | None = None) -> dict[str, Any]:
+    path = ingest_path or args.ingest_path
     batches_needed = max(args.senders * 2, math.ceil(args.seconds * args.supply_rate / args.batch_size))
     t = time.perf_counter()
     run, bodies = prepare_bodies(batches_needed, args.batch_size, args.seed)
@@ -359,7 +370,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         upgrade(url)
         create_the_policy_events_name(url)
         token = worker_key(url)
-        with control_plane(url, workers=args.workers, generic_insert=args.generic_insert,
+        with control_plane(url, workers=args.workers, ingest_path=path,
                            concurrency=args.ingest_concurrency, log=Path(tmp) / "server.log") as (base, pid):
             load_before = os.getloadavg()
             cpu_server = process_tree_cpu_s(pid)
@@ -370,11 +381,12 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             load_after = os.getloadavg()
         check = verify(url, stats)
     lat = stats.latencies_ms
+    cpu_pg = cpu_db_after - cpu_db if cpu_db is not None and cpu_db_after is not None else None
     return {
         "database": kind, "run": run, "senders": args.senders, "seconds": args.seconds,
         "batch_size": args.batch_size, "workers": args.workers,
         "ingest_concurrency": args.ingest_concurrency or "default",
-        "insert_path": "generic" if args.generic_insert else ("json" if kind == "postgresql" else "executemany"),
+        "ingest_path": path,
         "prepared_batches": len(bodies), "prepare_s": round(prepare_s, 2),
         "mean_body_bytes": round(statistics.fmean(len(b) for b in bodies)),
         "supply_exhausted": exhausted, "elapsed_s": round(elapsed, 3), "batches": stats.batches,
@@ -383,12 +395,21 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "batches_per_s": round(stats.batches / elapsed, 2) if elapsed else 0.0,
         "latency_ms": {"p50": round(percentile(lat, 0.5), 2), "p90": round(percentile(lat, 0.9), 2),
                        "p99": round(percentile(lat, 0.99), 2), "max": round(max(lat), 2) if lat else None},
-        "cpu_s": {"control_plane": round(cpu_server, 2),
-                  "postgres": round(cpu_db_after - cpu_db, 2)
-                  if cpu_db is not None and cpu_db_after is not None else None},
+        "cpu_s": {"control_plane": round(cpu_server, 2), "postgres": None if cpu_pg is None else round(cpu_pg, 2)},
+        "cpu_us_per_event": cpu_per_event(cpu_server, cpu_pg, stats.stored),
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
         "failures": stats.failures[:5], "failure_count": len(stats.failures), "verify": check,
     }
+
+
+def cpu_per_event(cpu_server: float, cpu_pg: float | None, events: int) -> dict[str, float | None] | None:
+    """CPU µs per event stored: the control plane's, PostgreSQL's (None where not measured) and their sum."""
+    if not events:
+        return None
+    server = cpu_server / events * 1e6
+    pg = None if cpu_pg is None else cpu_pg / events * 1e6
+    return {"control_plane": round(server, 2), "postgres": None if pg is None else round(pg, 2),
+            "sum": round(server + (pg or 0.0), 2)}
 
 
 def machine() -> dict[str, Any]:
@@ -400,17 +421,25 @@ def format_result(r: dict[str, Any]) -> str:
     lines = [
         f"{r['database']:<10} {r['events_per_s']:>10,.0f} events/s  {r['batches_per_s']:>7.1f} batches/s  "
         f"batch latency p50 {lat['p50']:.1f} ms, p90 {lat['p90']:.1f} ms, p99 {lat['p99']:.1f} ms  "
-        f"({r['insert_path']} insert, gate {r['ingest_concurrency']}, {r['workers']} worker"
+        f"({r['ingest_path']} path, gate {r['ingest_concurrency']}, {r['workers']} worker"
         f"{'s' if r['workers'] != 1 else ''})",
         f"{'':<10} {r['events_stored']:,} events in {r['batches']} batches over {r['elapsed_s']:.1f} s; "
-        f"CPU s: control plane {r['cpu_s']['control_plane']}, postgres {r['cpu_s']['postgres']}; "
-        f"load {r['load_average']['before']} -> {r['load_average']['after']}",
+        f"CPU s: control plane {r['cpu_s']['control_plane']}, postgres {r['cpu_s']['postgres']} "
+        f"(µs/event {r['cpu_us_per_event']}); load {r['load_average']['before']} -> {r['load_average']['after']}",
         f"{'':<10} verify: {r['verify']}" + ("  SUPPLY EXHAUSTED (raise --supply-rate)"
                                              if r["supply_exhausted"] else ""),
     ]
     if r["failure_count"]:
         lines.append(f"{'':<10} {r['failure_count']} failed POSTs, e.g. {r['failures'][:2]}")
     return "\n".join(lines)
+
+
+def _paths(value: str) -> list[str]:
+    paths = [p.strip() for p in value.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in INGEST_PATHS]
+    if unknown or len(paths) < 2 or len(set(paths)) != len(paths):
+        raise argparse.ArgumentTypeError(f"two or more distinct paths of {', '.join(INGEST_PATHS)}, comma-separated")
+    return paths
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -422,14 +451,74 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes of the control plane")
     parser.add_argument("--supply-rate", type=float, default=40_000,
                         help="events/s the prepared batches can sustain for --seconds (default 40000)")
-    parser.add_argument("--generic-insert", action="store_true",
-                        help="SQLAlchemy executemany statements instead of the bulk paths (the 'before')")
+    parser.add_argument("--ingest-path", choices=INGEST_PATHS, default="copy",
+                        help="how raw events are stored: copy (binary COPY on PostgreSQL, the default), json "
+                             "(the JSON INSERT ... ON CONFLICT statement), generic (SQLAlchemy's executemany)")
+    parser.add_argument("--generic-insert", dest="ingest_path", action="store_const", const="generic",
+                        help="the same as --ingest-path generic")
+    parser.add_argument("--compare", type=_paths, default=None, metavar="PATH,PATH[,...]",
+                        help="run these ingest paths alternately (--rounds each, a fresh database every run) "
+                             "and compare them with the last one named, e.g. copy,json")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each path with --compare (default 3)")
     parser.add_argument("--ingest-concurrency", type=int, default=None,
                         help="SPECGATE_TELEMETRY_INGEST_CONCURRENCY for the control plane (default: its default)")
     parser.add_argument("--pg-admin-url", default=os.environ.get("SPECGATE_TEST_POSTGRES_URL", DEFAULT_PG_ADMIN_URL))
     parser.add_argument("--seed", type=int, default=20261202)
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser.parse_args(argv)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 2) if present else None
+
+
+def compare(results: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
+    """Medians per path of one database's runs, and each path's events per CPU-second over the last path's.
+
+    ``ratio_paired`` is the median of the round-by-round ratios (each round ran every path back to back, so
+    a neighbour's load that drifts over the whole run cancels out of it); ``ratio`` is that of the medians.
+    """
+    by_path = {p: [r for r in results if r["ingest_path"] == p] for p in paths}
+    summary: dict[str, Any] = {}
+    for path, runs in by_path.items():
+        per_event = [r["cpu_us_per_event"] or {} for r in runs]
+        total = _median([e.get("sum") for e in per_event])
+        summary[path] = {
+            "runs": len(runs),
+            "events_per_s": _median([r["events_per_s"] for r in runs]),
+            "events_per_s_runs": [r["events_per_s"] for r in runs],
+            "cpu_s_control_plane": _median([r["cpu_s"]["control_plane"] for r in runs]),
+            "cpu_s_postgres": _median([r["cpu_s"]["postgres"] for r in runs]),
+            "cpu_us_per_event": {"control_plane": _median([e.get("control_plane") for e in per_event]),
+                                 "postgres": _median([e.get("postgres") for e in per_event]), "sum": total},
+            "sum_us_runs": [e.get("sum") for e in per_event],
+            "events_per_cpu_s": round(1e6 / total) if total else None,
+        }
+    base = paths[-1]
+    base_sums = summary[base]["sum_us_runs"]
+    for path in paths[:-1]:
+        mine = summary[path]["sum_us_runs"]
+        paired = [b / m for m, b in zip(mine, base_sums, strict=False) if m and b]
+        total, base_total = summary[path]["cpu_us_per_event"]["sum"], summary[base]["cpu_us_per_event"]["sum"]
+        summary[path]["vs"] = base
+        summary[path]["ratio"] = round(base_total / total, 2) if total and base_total else None
+        summary[path]["ratio_paired"] = round(statistics.median(paired), 2) if paired else None
+    return summary
+
+
+def format_comparison(kind: str, summary: dict[str, Any]) -> str:
+    lines = [f"{kind}: medians per path"]
+    for path, s in summary.items():
+        us = s["cpu_us_per_event"]
+        line = (f"  {path:<8} {s['events_per_s']:>10,.0f} events/s {s['events_per_s_runs']}  CPU s: control plane "
+                f"{s['cpu_s_control_plane']}, postgres {s['cpu_s_postgres']}  µs/event: control plane "
+                f"{us['control_plane']}, postgres {us['postgres']}, sum {us['sum']}  "
+                f"({s['events_per_cpu_s']:,} events per CPU-s)")
+        if "vs" in s:
+            line += f"  x{s['ratio']} of {s['vs']} (paired rounds: x{s['ratio_paired']})"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -440,17 +529,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{facts['load_average_at_start']}; {args.senders} senders x {args.seconds:g} s, "
           f"{args.batch_size} events per batch", flush=True)
     results = []
+    comparisons: dict[str, Any] = {}
     for kind in kinds:
-        result = run_one(kind, args)
-        results.append(result)
-        print(format_result(result), flush=True)
-    goal = next((r for r in results if r["database"] == "postgresql"), None)
-    report = {"machine": facts, "results": results,
-              "goal": {"events_per_s_postgresql": GOAL_EVENTS_PER_S,
-                       "met": goal["events_per_s"] >= GOAL_EVENTS_PER_S if goal else None}}
-    if goal is not None:
+        if args.compare is None:
+            result = run_one(kind, args)
+            results.append(result)
+            print(format_result(result), flush=True)
+            continue
+        runs = []
+        for round_ in range(args.rounds):
+            # each round starts with the next path, so none always runs first (or right after another)
+            shift = round_ % len(args.compare)
+            for path in args.compare[shift:] + args.compare[:shift]:
+                result = run_one(kind, args, path)
+                result["round"] = round_
+                runs.append(result)
+                print(f"[round {round_ + 1}/{args.rounds}] " + format_result(result), flush=True)
+        results.extend(runs)
+        comparisons[kind] = compare(runs, args.compare)
+        print(format_comparison(kind, comparisons[kind]), flush=True)
+    pg_runs = [r for r in results if r["database"] == "postgresql"]
+    goal_path = args.compare[0] if args.compare else args.ingest_path
+    goal_rate = _median([r["events_per_s"] for r in pg_runs if r["ingest_path"] == goal_path]) if pg_runs else None
+    report: dict[str, Any] = {"machine": facts, "results": results,
+                              "goal": {"events_per_s_postgresql": GOAL_EVENTS_PER_S,
+                                       "met": goal_rate >= GOAL_EVENTS_PER_S if goal_rate is not None else None}}
+    if goal_rate is not None:
         print(f"goal >= {GOAL_EVENTS_PER_S:,} events/s into PostgreSQL: "
-              f"{'met' if report['goal']['met'] else 'NOT met'} ({goal['events_per_s']:,.0f})")
+              f"{'met' if report['goal']['met'] else 'NOT met'} ({goal_rate:,.0f}, {goal_path} path"
+              f"{', median' if args.compare else ''})")
+    if comparisons:
+        report["comparison"] = comparisons
+        pg = comparisons.get("postgresql", {})
+        copy = pg.get("copy", {})
+        if copy.get("vs") == "json":
+            met = (copy["ratio_paired"] or 0) >= GOAL_CPU_RATIO
+            report["goal"]["cpu_ratio_copy_vs_json"] = {"goal": GOAL_CPU_RATIO, "ratio": copy["ratio"],
+                                                        "ratio_paired": copy["ratio_paired"], "met": met}
+            print(f"goal >= {GOAL_CPU_RATIO:g}x events per CPU-second, copy over json: "
+                  f"{'met' if met else 'NOT met'} (x{copy['ratio_paired']} paired, x{copy['ratio']} of the medians)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

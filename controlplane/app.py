@@ -7,10 +7,10 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from sqlalchemy import update
 from sqlalchemy.engine import CursorResult
 from starlette.concurrency import run_in_threadpool
@@ -42,6 +42,37 @@ from policies import SigningKey
 from wire.problems import PROBLEM_MEDIA_TYPE, problem_bytes
 
 log = logging.getLogger("specgate.controlplane")
+
+
+class Measure:
+    """Requests and latency by method, route and status (``/metrics``), taken when the response starts.
+
+    A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware runs every
+    request in a task group of its own and passes every response, streams included, through a memory stream,
+    a cost on each of a fleet's heartbeats, long-polls and change streams (bench/fleet.py).
+    """
+
+    def __init__(self, app: ASGIApp, owner: FastAPI) -> None:
+        self.app = app
+        self.owner = owner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+
+        async def measured_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                # Routing has put the matched route in the scope by the time the response starts.
+                route: Any = scope.get("route")
+                path = getattr(route, "path", "unmatched")
+                metrics = self.owner.state.metrics
+                metrics.requests.labels(scope["method"], path, str(message["status"])).inc()
+                metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+            await send(message)
+
+        await self.app(scope, receive, measured_send)
 
 
 class BodySizeLimit:
@@ -175,23 +206,21 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             await run_in_threadpool(keep_partitions_logged, app)
             if settings.telemetry_partition_interval_s > 0:
                 partitions = asyncio.create_task(run_partition_keeper(app, settings.telemetry_partition_interval_s))
-        evaluator: asyncio.Task[None] | None = None
+        # Every replica competes, each task acts only where its role is led (controlplane/leadership.py).
+        led: list[asyncio.Task[None]] = []
         if settings.guardrail_interval_s > 0:
-            evaluator = asyncio.create_task(run_evaluator(app, settings.guardrail_interval_s))
-        autopilot: asyncio.Task[None] | None = None
+            led.append(asyncio.create_task(run_evaluator(app, settings.guardrail_interval_s)))
         if settings.autopilot_interval_s > 0:
-            autopilot = asyncio.create_task(run_autopilot(app, settings.autopilot_interval_s))
+            led.append(asyncio.create_task(run_autopilot(app, settings.autopilot_interval_s)))
         try:
             yield
         finally:
-            if autopilot is not None:
-                autopilot.cancel()
+            # Cancelled together: each lets its leadership go once its round under way has finished.
+            for task in led:
+                task.cancel()
+            for task in led:
                 with contextlib.suppress(asyncio.CancelledError):
-                    await autopilot
-            if evaluator is not None:
-                evaluator.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await evaluator
+                    await task
             if partitions is not None:
                 partitions.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -216,17 +245,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     app.state.metrics = ControlPlaneMetrics(hub)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _measure(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        route: Any = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics = app.state.metrics
-        metrics.requests.labels(request.method, path, str(response.status_code)).inc()
-        metrics.latency.labels(request.method, path).observe(time.perf_counter() - start)
-        return response
-
+    app.add_middleware(Measure, owner=app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     for router in (health_router, keys_router, whoami_router, audit_router, policy_router, rollout_router,
                    worker_router, distribution_router, telemetry_router, analysis_router, autopilot_router):

@@ -25,14 +25,26 @@ class ControlPlaneMetrics:
         self.telemetry_batches = Counter("specgate_telemetry_batches", "telemetry batches received: new, or "
                                          "duplicate (a batch id seen before; nothing stored)",
                                          ["outcome"], registry=self.registry)
+        self.telemetry_rollup_deltas = Counter(
+            "specgate_telemetry_rollup_deltas", "rollup deltas of pre-aggregating workers received, by outcome: "
+            "stored (added to the rollups), already_stored (a delta id seen before), rejected", ["outcome"],
+            registry=self.registry)
+        self.telemetry_represented_requests = Counter(
+            "specgate_telemetry_represented_requests", "requests the stored telemetry stands for: events rolled "
+            "up on arrival plus the requests of stored rollup deltas (sampled events are counted in their deltas)",
+            registry=self.registry)
         for outcome in ("stored", "already_stored", "rejected"):
             self.telemetry_events.labels(outcome)
+            self.telemetry_rollup_deltas.labels(outcome)
         for outcome in ("new", "duplicate"):
             self.telemetry_batches.labels(outcome)
         self.registry.register(_HubCollector(hub))
         waiters = Gauge("specgate_long_poll_waiters", "long-polls and SSE streams waiting for a change",
                         registry=self.registry)
         waiters.set_function(lambda: hub.waiters)
+        self.leader = Gauge("specgate_leader", "1 while this process leads the role's background task among the "
+                            "replicas sharing the database (autopilot, guardrails), 0 while another does; no "
+                            "sample for a role whose task is off here", ["role"], registry=self.registry)
 
 
 class _HubCollector(Collector):

@@ -240,6 +240,27 @@ class TelemetryBatchRecord(Base):
     stored: Mapped[int] = mapped_column(Integer)
     # [{index, errors: [{path, code, message}]}], as first answered
     rejected: Mapped[list[Any]] = mapped_column(JSON)
+    # the rollup deltas of a pre-aggregating worker: how many came, validated, were new, and the refusals
+    rollup_count: Mapped[int] = mapped_column(Integer, server_default="0")
+    rollups_accepted: Mapped[int] = mapped_column(Integer, server_default="0")
+    rollups_stored: Mapped[int] = mapped_column(Integer, server_default="0")
+    rollups_rejected: Mapped[list[Any] | None] = mapped_column(JSON)
+
+
+class TelemetryDeltaRecord(Base):
+    """A rollup delta of a pre-aggregating worker that was added to the rollups: its idempotency record.
+
+    A delta sent again (the same worker and ``delta_id``, in any batch) adds nothing. Purged with the rollups
+    of its minute.
+    """
+
+    __tablename__ = "telemetry_rollup_deltas"
+
+    worker_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    delta_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    minute: Mapped[dt.datetime] = mapped_column(index=True)
+    batch_id: Mapped[str] = mapped_column(String(64))
+    received_at: Mapped[dt.datetime] = mapped_column()
 
 
 # PostgreSQL keeps telemetry_events partitioned by day of ``time`` (UTC): one partition per day, named
@@ -336,6 +357,9 @@ class TelemetryEventRecord(Base):
     shadow_structured_valid: Mapped[bool | None] = mapped_column(Boolean)
     shadow_check_passed: Mapped[bool | None] = mapped_column(Boolean)
     shadow_check_reason: Mapped[str | None] = mapped_column(String(256))
+    # a sampled event of a pre-aggregating worker: the requests it stands for (its request is in a rollup
+    # delta, not rolled up from this row); NULL on every event rolled up on arrival
+    sample_weight: Mapped[float | None] = mapped_column(Float)
     # where it came from
     batch_id: Mapped[str] = mapped_column(String(64))
     received_at: Mapped[dt.datetime] = mapped_column()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,8 +54,8 @@ class ControlPlaneSettings(BaseSettings):
         description="an event whose `time` is further ahead of its receipt than this is refused (per event): "
         "a future time would escape retention")
     guardrail_interval_s: float = Field(default=60.0, ge=0, le=86400,
-                                        description="how often running rollouts' guardrails are evaluated; "
-                                        "0 turns the background evaluator off")
+                                        description="how often the leader evaluates running rollouts' "
+                                        "guardrails; 0 runs no evaluator in this process (another replica may)")
     guardrail_alpha: float = Field(default=0.05, gt=0, lt=0.5,
                                    description="false-alarm bound of a step's guardrails over all its looks")
     guardrail_auto_promote: bool = Field(default=False,
@@ -66,3 +66,14 @@ class ControlPlaneSettings(BaseSettings):
     autopilot_lock_key: int = Field(default=0x53470001, ge=-(2**63), le=2**63 - 1,
                                     description="the PostgreSQL advisory lock that elects the one autopilot leader "
                                     "among the control-plane replicas sharing a database")
+    guardrail_lock_key: int = Field(default=0x53470003, ge=-(2**63), le=2**63 - 1,
+                                    description="the PostgreSQL advisory lock that elects the one guardrail "
+                                    "evaluator among the control-plane replicas sharing a database; not the "
+                                    "autopilot's, nor 0x53470002 (telemetry partitions)")
+
+    @model_validator(mode="after")
+    def _distinct_lock_keys(self) -> ControlPlaneSettings:
+        # With one key for both roles, a process's second role would never win the lock its first role holds.
+        if self.autopilot_lock_key == self.guardrail_lock_key:
+            raise ValueError("SPECGATE_AUTOPILOT_LOCK_KEY and SPECGATE_GUARDRAIL_LOCK_KEY must differ")
+        return self

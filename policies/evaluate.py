@@ -57,6 +57,12 @@ def shadow_salt(policy_name: str, cohort_secret: str = "") -> str:
     return _salt(f"shadow:{policy_name}", cohort_secret)
 
 
+def raw_sample_salt(policy_name: str, cohort_secret: str = "") -> str:
+    """The salt of a policy's raw-event sample (``telemetry.raw_sample_rate``): ``"raw:" + policy_name``,
+    keyed by the secret as :func:`exploration_salt` is; independent of the explored and shadowed requests."""
+    return _salt(f"raw:{policy_name}", cohort_secret)
+
+
 def _salt(public: str, cohort_secret: str) -> str:
     if not cohort_secret:
         return public
@@ -220,7 +226,8 @@ class CompiledPolicy:
     """A document compiled into one decision function; immutable once built."""
 
     __slots__ = ("document", "revision", "name", "decide", "kill_switch_decision",
-                 "fallback_engine", "_source", "shadow_rate", "_shadow_routes", "_shadow_salt")
+                 "fallback_engine", "_source", "shadow_rate", "_shadow_routes", "_shadow_salt",
+                 "raw_sample_rate", "_raw_sample_salt")
 
     def __init__(self, document: PolicyDocument, revision: str, *, cohort_secret: str = "") -> None:
         self.document = document
@@ -237,6 +244,20 @@ class CompiledPolicy:
         self.shadow_rate = 0.0 if quality is None else quality.shadow_rate
         self._shadow_routes = None if quality is None or quality.routes is None else frozenset(quality.routes)
         self._shadow_salt = shadow_salt(document.name, cohort_secret)
+        self.raw_sample_rate = 1.0 if document.telemetry is None else document.telemetry.raw_sample_rate
+        self._raw_sample_salt = raw_sample_salt(document.name, cohort_secret)
+
+    @property
+    def pre_aggregated(self) -> bool:
+        """Whether workers report this policy's requests as rollup deltas plus a raw sample (``telemetry``)."""
+        return self.raw_sample_rate < 1.0
+
+    def raw_sampled(self, request_id: str) -> bool:
+        """Whether a request's raw event is sent (``telemetry.raw_sample_rate``): every one at rate 1, else
+        those whose ``sticky_fraction(request_id, raw_sample_salt)`` falls below the rate. Sticky, so a request
+        retried under its id is sampled or not both times."""
+        rate = self.raw_sample_rate
+        return rate >= 1.0 or sticky_fraction(request_id, self._raw_sample_salt) < rate
 
     def shadowed(self, shape: RequestShape, decision: Decision) -> bool:
         """Whether a request so decided is sampled for a shadow comparison (``quality``): a speculative

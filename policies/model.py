@@ -298,6 +298,20 @@ class Quality(_Strict):
     routes: StringSet | None = None
 
 
+class Telemetry(_Strict):
+    """How a worker reports its requests: every one as a raw event (the default), or pre-aggregated.
+
+    Below 1, ``raw_sample_rate`` turns pre-aggregation on: the sidecar adds every request to per-minute rollup
+    deltas of its own (the counters and histograms the control plane keeps) and sends only that share of the
+    requests as raw events, each carrying its weight (1 / rate), for the views that need single requests
+    (what-if replays, per-worker figures). Rollups, and so the analysis and the guardrails, stay exact; the
+    per-request views become estimates that say how many sampled events they rest on. For large fleets, where
+    one stored row per request is what the control plane cannot keep up with.
+    """
+
+    raw_sample_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+
+
 class Guardrails(_Strict):
     """Limits a rollout step must respect; a breach rolls the step back."""
 
@@ -325,6 +339,8 @@ class PolicyDocument(_Strict):
     guardrails: Guardrails = Guardrails()
     # None, not an empty section: a document without it keeps the revision id it had before the field existed
     quality: Quality | None = None
+    # None for the same reason: every request as a raw event
+    telemetry: Telemetry | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
 

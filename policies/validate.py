@@ -35,6 +35,7 @@ from policies.model import (
     Quality,
     Range,
     Rule,
+    Telemetry,
     Then,
     When,
     engine_k,
@@ -432,6 +433,8 @@ def _allowed_fields(parent: tuple[str | int, ...], raw: Any) -> list[str]:
         model = Guardrails
     elif parent == ("quality",):
         model = Quality
+    elif parent == ("telemetry",):
+        model = Telemetry
     elif len(parent) == 2 and parent[0] == "engines":
         return sorted({f for m in ENGINE_MODELS for f in m.model_fields})
     if model is None:

@@ -26,6 +26,9 @@ Exposed (all prefixed ``specgate_sidecar_``):
 * ``request_duration_seconds{engine}`` — histogram of end-to-end latency seen by the sidecar
 * ``in_flight`` — requests in flight now
 * ``telemetry_queue_depth`` — events waiting in the exporter (when it reports ``queue_depth()``)
+* ``telemetry_aggregated_requests_total`` — requests added to this worker's rollup deltas (a pre-aggregated
+  policy, ``telemetry.raw_sample_rate`` below 1); ``telemetry_rollup_deltas_total{outcome}``: deltas made, sent,
+  dropped (refused, or lost with a batch the spool could not keep)
 * ``active_revision{policy,revision,role}`` — 1 for the revision(s) in use (role active|canary)
 * ``kill_switch`` — 1 when the bundle's kill switch is on
 * ``engine_running{engine}`` — last scraped ``vllm:num_requests_running`` per engine, over its replicas
@@ -73,11 +76,13 @@ class _Histogram:
 
 class SidecarMetrics(Collector):
     def __init__(self, store: PolicyStore, inflight: InFlight, pools: Pools | None = None,
-                 queue_depth: Callable[[], int] | None = None) -> None:
+                 queue_depth: Callable[[], int] | None = None,
+                 telemetry_counters: Callable[[], dict[str, int]] | None = None) -> None:
         self.store = store
         self.inflight = inflight
         self.pools = pools
         self.queue_depth = queue_depth
+        self.telemetry_counters = telemetry_counters
         self.decisions: dict[tuple[str, str], int] = {}
         self.requests: dict[tuple[str, EventStatus], int] = {}
         self.fallbacks: dict[str, int] = {}
@@ -190,6 +195,18 @@ class SidecarMetrics(Collector):
                 depth = float("nan")
             yield GaugeMetricFamily(PREFIX + "telemetry_queue_depth", "Telemetry events waiting to be exported",
                                     value=depth)
+        if self.telemetry_counters is not None:
+            try:
+                counted = self.telemetry_counters()
+            except Exception:  # a broken exporter must not break /metrics
+                counted = {}
+            yield CounterMetricFamily(PREFIX + "telemetry_aggregated_requests", "Requests added to this worker's "
+                                      "rollup deltas (pre-aggregation)", value=counted.get("aggregated", 0))
+            family = CounterMetricFamily(PREFIX + "telemetry_rollup_deltas", "Rollup deltas by outcome: made, "
+                                         "sent, dropped", labels=["outcome"])
+            for outcome in ("made", "sent", "dropped"):
+                family.add_metric([outcome], counted.get(f"rollups_{outcome}", 0))
+            yield family
         bundle = self.store.current
         family = GaugeMetricFamily(PREFIX + "active_revision", "1 for each policy revision in use",
                                    labels=["policy", "revision", "role"])

@@ -68,7 +68,7 @@ from typing import Any, Protocol
 import aiohttp
 from yarl import URL
 
-from policies import CompiledBundle, Decision, PolicyStore, RequestShape
+from policies import CompiledBundle, CompiledPolicy, Decision, PolicyStore, RequestShape
 from sidecar.classify import JSON_OBJECT, RequestError, check_text, classify, output_schema_at
 from sidecar.metrics import SidecarMetrics
 from sidecar.output_schema import compile_output_schema
@@ -151,7 +151,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class Exporter(Protocol):
-    def submit(self, event: TelemetryEvent) -> None: ...
+    # aggregate: the request goes into the worker's rollup deltas; the event is sent only when sampled
+    def submit(self, event: TelemetryEvent, *, aggregate: bool = ...) -> None: ...
 
 
 API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -424,14 +425,16 @@ class SidecarApp:
                            interval_s=settings.engine_metrics_s, eject_after=settings.eject_after,
                            probe_initial_s=settings.probe_initial_s, probe_max_s=settings.probe_max_s,
                            max_queue=settings.max_queue, affinity_slack=settings.affinity_slack)
+        telemetry_counters = getattr(exporter, "counters", None)
         self.metrics = SidecarMetrics(store, self.inflight, self.pools,
-                                      queue_depth if callable(queue_depth) else None)
+                                      queue_depth if callable(queue_depth) else None,
+                                      telemetry_counters if callable(telemetry_counters) else None)
         self.replica_scope = self.pools.replica_scope
         self.quality_check = CheckRunner(load_check(settings.quality_check),
                                          max_threads=settings.shadow_max_in_flight,
                                          timeout_s=settings.quality_check_timeout_s) if settings.quality_check else None
         # each shadow under way, with the event it hands on when it ends (_shadow_done)
-        self._shadows: dict[asyncio.Task[dict[str, Any] | None], TelemetryEvent] = {}
+        self._shadows: dict[asyncio.Task[dict[str, Any] | None], tuple[TelemetryEvent, bool]] = {}
         self._started = False
 
     # --- lifecycle -----------------------------------------------------------------
@@ -1052,7 +1055,9 @@ class SidecarApp:
             else:
                 call.validator = None if validator.cancelled() or validator.exception() else validator.result()
         e2e = call.t_end - call.t0
-        event = self._telemetry_event(call, e2e * 1000.0)
+        policy = call.bundle.canary if call.canary and call.bundle.canary is not None else call.bundle.active
+        aggregate = policy.raw_sample_rate < 1.0
+        event = self._telemetry_event(call, e2e * 1000.0, policy)
         self.metrics.decision(call.decision.engine, call.decision.rule)
         self.metrics.finished(call.engine, event.status, e2e)
         if call.shadow is not None:
@@ -1064,16 +1069,16 @@ class SidecarApp:
             else:
                 # The event waits for the comparison it carries; the client has its answer already.
                 task = asyncio.get_running_loop().create_task(self._shadow(call))
-                self._shadows[task] = event
+                self._shadows[task] = (event, aggregate)
                 self.metrics.shadows_in_flight = len(self._shadows)
                 task.add_done_callback(self._shadow_done)
                 return
-        self._hand_off(event)
+        self._hand_off(event, aggregate)
 
     def _shadow_done(self, task: asyncio.Task[dict[str, Any] | None]) -> None:
         """Hands a shadowed request's event on, with the comparison when there is one: exactly once, however
         the shadow ended."""
-        event = self._shadows.pop(task)
+        event, aggregate = self._shadows.pop(task)
         self.metrics.shadows_in_flight = len(self._shadows)
         fields = None
         if task.cancelled():
@@ -1082,7 +1087,7 @@ class SidecarApp:
             self.metrics.shadow("failed")
         else:
             fields = task.result()
-        self._hand_off(event if fields is None else event.model_copy(update=fields))
+        self._hand_off(event if fields is None else event.model_copy(update=fields), aggregate)
 
     async def _shadow(self, call: _Call) -> dict[str, Any] | None:
         """The comparison's event fields, or None (counted) when none could be made."""
@@ -1191,9 +1196,10 @@ class SidecarApp:
             ids.append(tokens)
         return min(common_prefix_length(ids[0], ids[1]), MAX_INT)
 
-    def _telemetry_event(self, call: _Call, e2e_ms: float) -> TelemetryEvent:
+    def _telemetry_event(self, call: _Call, e2e_ms: float, policy: CompiledPolicy) -> TelemetryEvent:
         """The event of a finished request: the decision, the request's shape, its timing and outcome, and the
-        engine's own numbers when it reported them."""
+        engine's own numbers when it reported them. Under a pre-aggregated ``policy`` (the one that decided)
+        a sampled request's event carries its weight."""
         decision = call.decision
         shape = call.shape
         usage = call.usage if type(call.usage) is dict else {}
@@ -1257,12 +1263,17 @@ class SidecarApp:
             shadow_structured_valid=None,
             shadow_check_passed=None,
             shadow_check_reason=None,
+            sample_weight=(1.0 / policy.raw_sample_rate
+                           if policy.raw_sample_rate < 1.0 and policy.raw_sampled(call.request_id) else None),
         )
 
-    def _hand_off(self, event: TelemetryEvent) -> None:
+    def _hand_off(self, event: TelemetryEvent, aggregate: bool) -> None:
         """To the exporter and the on_event hook; neither may fail the loop turn that finishes requests."""
         with contextlib.suppress(Exception):  # the exporter promises not to raise; be sure
-            self.exporter.submit(event)
+            if aggregate:
+                self.exporter.submit(event, aggregate=True)
+            else:
+                self.exporter.submit(event)
         if self.on_event is not None:
             try:
                 self.on_event(event)

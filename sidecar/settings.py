@@ -57,6 +57,9 @@ class SidecarSettings(BaseSettings):
     heartbeat_s: float = Field(default=5.0, gt=0)
     telemetry_batch_size: int = Field(default=200, ge=1, le=10_000)
     telemetry_flush_s: float = Field(default=1.0, gt=0)
+    # Pre-aggregation (telemetry.raw_sample_rate below 1): how often the running rollup deltas are finished and
+    # sent, with the raw sample held since. Longer: fewer, fuller deltas and batches; the rollups lag by as much.
+    telemetry_rollup_flush_s: float = Field(default=60.0, gt=0, le=3600)
     spool_max_events: int = Field(default=1_000_000, ge=1000)
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0)

@@ -23,12 +23,15 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 EVENT_SCHEMA_VERSION = 1
 MAX_LABELS_CHARS = 2048
 MAX_INT = 2**31 - 1
 MAX_FLOAT = 1e12
+# Sums of a rollup delta: 64-bit columns, and room to add many deltas.
+MAX_SUM = 2**53
+MAX_SAMPLE_WEIGHT = 1e6
 NO_NUL = r"^[^\x00]*$"
 _set = object.__setattr__
 
@@ -162,6 +165,13 @@ class TelemetryEvent(BaseModel):
                                              "failed to run")
     shadow_check_reason: str | None = Field(default=None, max_length=256, pattern=NO_NUL,
                                             description="what the quality check said")
+    # pre-aggregation (the policy's ``telemetry.raw_sample_rate`` below 1)
+    sample_weight: float | None = Field(default=None, ge=1.0, le=MAX_SAMPLE_WEIGHT, allow_inf_nan=False,
+                                        description="a sampled event of a pre-aggregated worker: the requests "
+                                        "it stands for (1 / raw_sample_rate). Its request is counted in the "
+                                        "worker's rollup deltas, so the control plane stores the event but "
+                                        "adds nothing to the rollups from it; null: an event of its own, "
+                                        "rolled up on arrival")
 
     @field_validator("labels")
     @classmethod
@@ -216,6 +226,98 @@ def encode_labels(labels: Mapping[str, str]) -> str:
     return "{" + ",".join(pairs) + "}"
 
 
+# The counters of a rollup row (``analysis.rollup`` defines each); a delta carries them under these names.
+ROLLUP_INT_COUNTERS: tuple[str, ...] = (
+    "requests", "ok", "errors", "client_disconnects", "fallbacks", "retries", "speculated", "structured_checked",
+    "structured_valid", "spec_reported", "draft_tokens_sum", "accepted_tokens_sum", "spec_steps_sum",
+    "spec_steps_count", "prompt_tokens_sum", "prompt_tokens_count", "completion_tokens_sum",
+    "completion_tokens_count", "ttft_count", "itl_count", "itl_weighted_tokens", "shadow_compared",
+    "shadow_matched", "shadow_first_diff_sum", "shadow_first_diff_count", "shadow_structured_checked",
+    "shadow_structured_valid_served", "shadow_structured_valid_plain", "shadow_check_run", "shadow_check_failed",
+)
+ROLLUP_FLOAT_COUNTERS: tuple[str, ...] = ("e2e_ms_sum", "ttft_ms_sum", "itl_ms_sum", "itl_weighted_ms_sum")
+# The latency histograms of a rollup row, each over the same fixed log buckets (``analysis.histogram``).
+HISTOGRAM_METRICS: tuple[str, ...] = ("ttft", "itl", "e2e")
+HISTOGRAM_BUCKETS = 48
+
+Counter = Annotated[int, Field(ge=0, le=MAX_SUM)]
+FloatSum = Annotated[float, Field(ge=0.0, le=float(MAX_SUM) * 1e3, allow_inf_nan=False)]
+Bucket = Annotated[int, Field(ge=0, lt=HISTOGRAM_BUCKETS)]
+BucketCounts = Annotated[dict[Bucket, Annotated[int, Field(ge=1, le=MAX_SUM)]], Field(max_length=HISTOGRAM_BUCKETS)]
+
+
+class RollupDelta(BaseModel):
+    """What a pre-aggregating worker adds to one rollup row: counters and histograms of its requests of one key.
+
+    The key is the rollup row's (``analysis.rollup``): the UTC minute of the requests' admission, policy,
+    revision, route, the engine they ran on, the batch-size bucket's lower bound, explored, k0; plus the
+    worker's pool, held against its registration as an event's is. Deltas add: the same key may come in many
+    deltas (a long request admitted in a minute already sent arrives in a later one). ``delta_id`` is the
+    idempotency key (unique per worker process and sequence): a delta received twice, in one batch or two,
+    is added once.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    delta_id: str = Field(min_length=1, max_length=64, pattern=NO_NUL, description="unique per delta; dedup key")
+    minute: dt.datetime = Field(description="the UTC minute of the requests' admission (seconds 0)")
+    pool: str = Field(max_length=128, pattern=NO_NUL)
+    policy: str = Field(max_length=63, pattern=NO_NUL)
+    revision: str = Field(max_length=64, pattern=NO_NUL)
+    route: str = Field(max_length=128, pattern=NO_NUL)
+    engine: str = Field(max_length=63, pattern=NO_NUL)
+    batch_bucket: int = Field(ge=0, le=MAX_INT)
+    explored: bool
+    k0: bool
+    counters: dict[str, Counter | FloatSum] = Field(description="the rollup counters by name; a missing one is 0")
+    histograms: dict[str, BucketCounts] = Field(default_factory=dict,
+                                                description="latency histograms: {metric: {bucket: requests}}")
+
+    @field_validator("minute")
+    @classmethod
+    def _whole_minute(cls, value: dt.datetime) -> dt.datetime:
+        if value.second or value.microsecond:
+            raise ValueError("must be a whole minute (seconds 0)")
+        return value
+
+    @field_validator("counters")
+    @classmethod
+    def _known_counters(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(value) - _COUNTER_NAMES)
+        if unknown:
+            raise ValueError(f"unknown counters {unknown}; known: see ROLLUP_INT_COUNTERS and ROLLUP_FLOAT_COUNTERS")
+        floats = [name for name in ROLLUP_INT_COUNTERS if type(value.get(name, 0)) is not int]
+        if floats:
+            raise ValueError(f"counters {floats} must be integers")
+        if value.get("requests", 0) < 1:
+            raise ValueError("requests must be at least 1")
+        if value.get("ok", 0) + value.get("errors", 0) != value["requests"]:
+            raise ValueError("ok + errors must equal requests")
+        return value
+
+    @field_validator("histograms")
+    @classmethod
+    def _known_metrics(cls, value: dict[str, dict[int, int]]) -> dict[str, dict[int, int]]:
+        unknown = sorted(set(value) - set(HISTOGRAM_METRICS))
+        if unknown:
+            raise ValueError(f"unknown histograms {unknown}; known: {list(HISTOGRAM_METRICS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _histograms_match_counters(self) -> RollupDelta:
+        # Each histogram counts the requests that have its latency: e2e every one, ttft and itl their counts.
+        expected = {"e2e": self.counters["requests"], "ttft": self.counters.get("ttft_count", 0),
+                    "itl": self.counters.get("itl_count", 0)}
+        for metric, total in expected.items():
+            counted = sum(self.histograms.get(metric, {}).values())
+            if counted != total:
+                raise ValueError(f"histograms.{metric} counts {counted} requests, its counter says {total}")
+        return self
+
+
+_COUNTER_NAMES = frozenset(ROLLUP_INT_COUNTERS + ROLLUP_FLOAT_COUNTERS)
+
+
 class TelemetryBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -223,6 +325,9 @@ class TelemetryBatch(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
     schema_version: int = EVENT_SCHEMA_VERSION
     events: list[TelemetryEvent] = Field(max_length=10_000)
+    rollups: list[RollupDelta] = Field(default_factory=list, max_length=10_000,
+                                       description="rollup deltas of a pre-aggregating worker (the policy's "
+                                                   "telemetry.raw_sample_rate below 1)")
 
     def to_json(self) -> bytes:
         """The bytes of ``model_dump_json()``, from orjson in a third of the time (~1 us an event).
@@ -231,9 +336,10 @@ class TelemetryBatch(BaseModel):
         is what validated events and the proxy's events hold; where orjson refuses a value (an integer beyond
         64 bits, a lone surrogate), pydantic dumps the batch.
         """
+        data = {"batch_id": self.batch_id, "worker_id": self.worker_id, "schema_version": self.schema_version,
+                "events": [event.__dict__ for event in self.events],
+                "rollups": [delta.model_dump(mode="json") for delta in self.rollups]}
         try:
-            return orjson.dumps({"batch_id": self.batch_id, "worker_id": self.worker_id,
-                                 "schema_version": self.schema_version,
-                                 "events": [event.__dict__ for event in self.events]}, option=orjson.OPT_UTC_Z)
+            return orjson.dumps(data, option=orjson.OPT_UTC_Z)
         except TypeError:
             return self.model_dump_json().encode()

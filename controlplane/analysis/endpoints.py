@@ -78,7 +78,8 @@ def _group_by(values: list[str]) -> list[SummaryGroup]:
                         "failures), per any of route, engine, batch_bucket, "
                         "policy, revision, explored (and time window), from the rollups. group_by=worker gives "
                         "per-worker means from the raw events instead, group_by=replica per engine and replica "
-                        "(filtered by policy, route and engine).")
+                        "(filtered by policy, route and engine), sampled events counted with their weights and "
+                        "`basis` saying how many events, and how many sampled, each figure rests on.")
 def summary(session: SessionDep, _: Reader, policy: Text = None, revision: Text = None, route: Text = None,
             engine: Text = None, explored: bool | None = None, start: From = None, end: To = None,
             group_by: Annotated[list[str], Query(max_length=20, description="repeat, or comma-separate")] = [],  # noqa: B006
@@ -88,13 +89,15 @@ def summary(session: SessionDep, _: Reader, policy: Text = None, revision: Text 
     a, b = _window(start, end)
     if groups == [SummaryGroup.worker]:
         workers = service.worker_summaries(session, policy=policy, route=route, start=a, end=b, limit=limit)
-        return SummaryReport(group_by=["worker"], window=None, rows=[],
-                             workers=workers, truncated=len(workers) >= limit)
+        return SummaryReport(group_by=["worker"], window=None, rows=[], workers=workers,
+                             basis=service.total_basis([w["basis"] for w in workers]),
+                             truncated=len(workers) >= limit)
     if groups == [SummaryGroup.replica]:
         replicas = service.worker_summaries(session, policy=policy, route=route, start=a, end=b, limit=limit,
                                             by_replica=True, engine=engine)
-        return SummaryReport(group_by=["replica"], window=None, rows=[],
-                             replicas=replicas, truncated=len(replicas) >= limit)
+        return SummaryReport(group_by=["replica"], window=None, rows=[], replicas=replicas,
+                             basis=service.total_basis([r["basis"] for r in replicas]),
+                             truncated=len(replicas) >= limit)
     flt = RollupFilter(policy=policy, revision=revision, route=route, engine=engine, explored=explored,
                        start=a, end=b)
     rows, truncated = service.summaries(session, flt, [g.value for g in groups],
@@ -217,7 +220,8 @@ def apply(recommendation_id: RecommendationId, session: SessionDep, who: Admin, 
                         **TOO_LARGE_RESPONSE, **INVALID_RESPONSE},
              description="Score a candidate revision (or document) on a recorded window: every recorded request "
                          "shape is decided again with the candidate, latency estimated from the measured "
-                         "per-bucket numbers.")
+                         "per-bucket numbers. Sampled events (a pre-aggregating worker's) count as the requests "
+                         "they stand for; `basis` says how many events, and how many sampled, it rests on.")
 def what_if(body: WhatIfRequest, session: SessionDep, _: Reader) -> WhatIfReport:
     a, b = _aware(body.start, "from"), _aware(body.end, "to")
     if a is not None and b is not None and b <= a:

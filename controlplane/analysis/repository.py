@@ -3,6 +3,12 @@
 Latency figures come from the telemetry rollups (``controlplane.telemetry``);
 the raw events are read here only where a question needs what rollups do not
 keep: the request shapes a what-if replays, and per-worker and per-replica totals.
+
+A raw event may be a sample: a pre-aggregating worker (``telemetry.raw_sample_rate``) sends every
+request in its rollup deltas and only a share of them as events, each with ``sample_weight``, the
+requests it stands for. Every count and sum over raw events is therefore weighted (an ordinary
+event, weight NULL, counts once), and each query also says how many rows it read and how many of
+them were samples, so that an answer can say what it rests on.
 """
 
 from __future__ import annotations
@@ -12,12 +18,23 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Float, and_, case, cast, func, literal_column, select
+from sqlalchemy import and_, case, func, literal_column, select
 from sqlalchemy.orm import Session
 
 from controlplane.models import Policy, Revision, Rollout, TelemetryEventRecord
 
 E = TelemetryEventRecord
+# The requests one row stands for. The literal 1 keeps sums of ordinary events integer on SQLite; the
+# service turns a sum without samples back into an int on PostgreSQL (where the column's type wins).
+WEIGHT = func.coalesce(E.sample_weight, literal_column("1"))
+
+
+def _weighted_count(condition: Any) -> Any:
+    return func.sum(case((condition, WEIGHT), else_=literal_column("0")))
+
+
+def _basis_columns() -> list[Any]:
+    return [func.count().label("events"), func.count(E.sample_weight).label("sampled_events")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +50,10 @@ class ShapeGroup:
     max_tokens: int | None
     prompt_tokens: int
     labels: str
-    requests: int
-    speculated: int
+    requests: float
+    speculated: float
+    events: int = 0  # rows read: requests counts them with their weights
+    sampled_events: int = 0
 
 
 class AnalysisRepository:
@@ -100,7 +119,8 @@ class AnalysisRepository:
             conds.append(E.time >= start)
         if end is not None:
             conds.append(E.time < end)
-        query = (select(*keys, func.count().label("n"), func.sum(case((E.speculate, 1), else_=0)).label("spec"))
+        query = (select(*keys, func.sum(WEIGHT).label("n"), _weighted_count(E.speculate).label("spec"),
+                        *_basis_columns())
                  .where(and_(*conds)).group_by(*keys).limit(limit))
         out = []
         for row in self.session.execute(query):
@@ -111,13 +131,15 @@ class AnalysisRepository:
                 structured_output=bool(got.get("structured_output", False)), tools=bool(got.get("tools", False)),
                 stream=bool(got.get("stream", False)), max_tokens=got.get("max_tokens"),
                 prompt_tokens=int(got.get("prompt_tokens") or 0), labels=got.get("labels", "{}"),
-                requests=int(m["n"]), speculated=int(m["spec"] or 0)))
+                requests=m["n"], speculated=m["spec"] or 0, events=int(m["events"]),
+                sampled_events=int(m["sampled_events"])))
         return out
 
     def worker_totals(self, *, policy: str | None, route: str | None, start: dt.datetime | None,
                       end: dt.datetime | None, limit: int, by_replica: bool = False,
                       engine: str | None = None) -> list[dict[str, Any]]:
-        """Per-worker counters from the raw events (rollups have no worker): counts, sums and means.
+        """Per-worker counters from the raw events (rollups have no worker): weighted counts and sums, and
+        for each mean its weighted sum and the weight of the rows that have the value (``*_weight``).
 
         With ``by_replica``, per engine and replica instead (rollups have no replica either); events
         that name no replica (older sidecars) form their engine's group with replica None.
@@ -131,18 +153,22 @@ class AnalysisRepository:
             conds.append(E.time >= start)
         if end is not None:
             conds.append(E.time < end)
+
+        def weighted_mean(column: Any, name: str) -> list[Any]:
+            return [func.sum(column * WEIGHT).label(f"{name}_sum"),
+                    _weighted_count(column.is_not(None)).label(f"{name}_weight")]
+
         query = (select(*keys,
-                        func.count().label("requests"),
-                        func.sum(case((E.status != "ok", 1), else_=0)).label("errors"),
-                        func.sum(case((E.status == "client_disconnect", 1), else_=0)).label("client_disconnects"),
-                        func.sum(E.retries).label("retries"),
-                        func.sum(case((E.fallback, 1), else_=0)).label("fallbacks"),
-                        func.sum(case((E.structured_valid.is_not(None), 1), else_=0)).label("structured_checked"),
-                        func.sum(case((E.structured_valid.is_(True), 1), else_=0)).label("structured_valid"),
-                        func.sum(E.spec_draft_tokens).label("draft_tokens"),
-                        func.sum(E.spec_accepted_tokens).label("accepted_tokens"),
-                        cast(func.avg(E.itl_ms), Float).label("itl_ms_mean"),
-                        cast(func.avg(E.ttft_ms), Float).label("ttft_ms_mean"),
-                        cast(func.avg(E.e2e_ms), Float).label("e2e_ms_mean"))
+                        func.sum(WEIGHT).label("requests"),
+                        _weighted_count(E.status != "ok").label("errors"),
+                        _weighted_count(E.status == "client_disconnect").label("client_disconnects"),
+                        func.sum(E.retries * WEIGHT).label("retries"),
+                        _weighted_count(E.fallback).label("fallbacks"),
+                        _weighted_count(E.structured_valid.is_not(None)).label("structured_checked"),
+                        _weighted_count(E.structured_valid.is_(True)).label("structured_valid"),
+                        func.sum(E.spec_draft_tokens * WEIGHT).label("draft_tokens"),
+                        func.sum(E.spec_accepted_tokens * WEIGHT).label("accepted_tokens"),
+                        *weighted_mean(E.itl_ms, "itl_ms"), *weighted_mean(E.ttft_ms, "ttft_ms"),
+                        *weighted_mean(E.e2e_ms, "e2e_ms"), *_basis_columns())
                  .where(*conds).group_by(*keys).order_by(*keys).limit(limit))
         return [dict(row._mapping) for row in self.session.execute(query)]

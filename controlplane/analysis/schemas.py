@@ -76,19 +76,35 @@ class SummaryRow(BaseModel):
                                                      "quality.shadow_rate turns them on)")
 
 
+class Basis(BaseModel):
+    """What a figure from the raw events rests on. A pre-aggregating worker (``telemetry.raw_sample_rate`` in its
+    policy) sends every request in its rollup deltas but only a sample of them as raw events, each standing for
+    ``1 / rate`` requests: figures over raw events count each sampled event with that weight."""
+
+    events: int = Field(description="raw events read")
+    sampled_events: int = Field(description="of those, sampled events (each standing for more than one request)")
+    represented_requests: int | float = Field(
+        description="the requests those events stand for: each sampled event with its weight, each other event "
+                    "once; an integer when no event was sampled")
+    estimated: bool = Field(description="true when any sampled event is among them: counts, sums and means are "
+                                        "then estimates from the sample")
+
+
 class WorkerRow(BaseModel):
     key: dict[str, Any]
-    requests: int
+    requests: int | float = Field(description="requests the group's events stand for (sampled events with their "
+                                               "weight); an integer unless basis.estimated")
     acceptance_rate: float | None
     retry_rate: float | None
     fallback_rate: float | None
     error_rate: float | None
-    client_disconnects: int
+    client_disconnects: int | float
     client_disconnect_rate: float | None
     structured_validity_rate: float | None
     itl_ms_mean: float | None
     ttft_ms_mean: float | None
     e2e_ms_mean: float | None
+    basis: Basis = Field(description="the raw events this row rests on")
 
 
 class SummaryReport(BaseModel):
@@ -101,6 +117,9 @@ class SummaryReport(BaseModel):
     replicas: list[WorkerRow] | None = Field(
         default=None, description="with group_by=replica: per engine and replica (key: engine, replica; replica "
                                   "null for events that name none), means from the raw events of the window")
+    basis: Basis | None = Field(
+        default=None, description="with group_by=worker or replica: the raw events all the rows rest on; null for "
+                                  "rows from the rollups, which count every request exactly")
     truncated: bool
 
 
@@ -280,9 +299,14 @@ class WhatIfReport(BaseModel):
     baseline: str = Field(description="the active revision it is compared with")
     start: dt.datetime | None = Field(alias="from")
     end: dt.datetime | None = Field(alias="to")
-    routes: list[dict[str, Any]]
+    routes: list[dict[str, Any]] = Field(description="per route: requests, decisions_changed, estimated_requests "
+                                                     "(those whose latency could be priced) and "
+                                                     "unestimated_requests, counted as the requests the events "
+                                                     "stand for, speculated shares, mean ITL and e2e before and "
+                                                     "after, and the route's basis")
     all_routes: dict[str, Any]
     truncated: bool
+    basis: Basis = Field(description="the recorded raw events the replay rests on (all routes)")
     method: str
 
     model_config = ConfigDict(populate_by_name=True)

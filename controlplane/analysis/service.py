@@ -124,28 +124,57 @@ def summaries(session: Session, flt: RollupFilter, group_by: Sequence[str], wind
     return out, truncated
 
 
+def represented(value: float | None, sampled_events: int) -> int | float:
+    """A weighted count of raw events: an int where every row stood for itself (as it always was), the
+    estimate otherwise (a sample's weight is 1 / its rate, rarely a whole number)."""
+    value = value or 0
+    return round(float(value), 6) if sampled_events else int(value)
+
+
+def basis(events: int, sampled_events: int, represented_requests: float) -> dict[str, Any]:
+    """What a figure from the raw events rests on: the rows read, how many of them were samples, and the
+    requests they stand for; ``estimated`` as soon as one sample is among them."""
+    return {"events": events, "sampled_events": sampled_events,
+            "represented_requests": represented(represented_requests, sampled_events),
+            "estimated": sampled_events > 0}
+
+
+def total_basis(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return basis(sum(p["events"] for p in parts), sum(p["sampled_events"] for p in parts),
+                 sum(p["represented_requests"] for p in parts))
+
+
 def worker_summaries(session: Session, *, policy: str | None, route: str | None, start: dt.datetime | None,
                      end: dt.datetime | None, limit: int, by_replica: bool = False,
                      engine: str | None = None) -> list[dict[str, Any]]:
     """Per-worker rows (key ``worker_id``), or with ``by_replica`` per engine and replica (key ``engine``,
-    ``replica``), from the raw events."""
+    ``replica``), from the raw events, sampled ones counted with their weights; each row's ``basis``."""
     rows = AnalysisRepository(session).worker_totals(policy=policy, route=route, start=start, end=end, limit=limit,
                                                      by_replica=by_replica, engine=engine)
     out = []
     for r in rows:
         key = {"engine": r["engine"], "replica": r["replica"]} if by_replica else {"worker_id": r["worker_id"]}
-        n = int(r["requests"])
-        drafted = int(r["draft_tokens"] or 0)
-        checked = int(r["structured_checked"] or 0)
+        sampled = int(r["sampled_events"])
+
+        def count(name: str, sampled: int = sampled, r: Mapping[str, Any] = r) -> int | float:
+            return represented(r[name], sampled)
+
+        def mean(name: str, r: Mapping[str, Any] = r) -> float | None:
+            weight = r[f"{name}_weight"]
+            return float(r[f"{name}_sum"]) / float(weight) if weight else None
+
+        n = count("requests")
+        drafted = count("draft_tokens")
+        checked = count("structured_checked")
+        gone = count("client_disconnects")
         out.append({"key": key, "requests": n,
-                    "acceptance_rate": int(r["accepted_tokens"] or 0) / drafted if drafted else None,
-                    "retry_rate": int(r["retries"] or 0) / n, "fallback_rate": int(r["fallbacks"] or 0) / n,
-                    "error_rate": int(r["errors"] or 0) / n,
-                    "client_disconnects": int(r["client_disconnects"] or 0),
-                    "client_disconnect_rate": int(r["client_disconnects"] or 0) / n,
-                    "structured_validity_rate": int(r["structured_valid"] or 0) / checked if checked else None,
-                    "itl_ms_mean": r["itl_ms_mean"], "ttft_ms_mean": r["ttft_ms_mean"],
-                    "e2e_ms_mean": r["e2e_ms_mean"]})
+                    "acceptance_rate": count("accepted_tokens") / drafted if drafted else None,
+                    "retry_rate": count("retries") / n, "fallback_rate": count("fallbacks") / n,
+                    "error_rate": count("errors") / n,
+                    "client_disconnects": gone, "client_disconnect_rate": gone / n,
+                    "structured_validity_rate": count("structured_valid") / checked if checked else None,
+                    "itl_ms_mean": mean("itl_ms"), "ttft_ms_mean": mean("ttft_ms"), "e2e_ms_mean": mean("e2e_ms"),
+                    "basis": basis(int(r["events"]), sampled, r["requests"])})
     return out
 
 
@@ -533,7 +562,9 @@ def what_if(session: Session, policy_name: str, *, revision: str | None, documen
     """Decide every recorded request of the window with the active revision and with the candidate.
 
     Exploration is left out (each shape gets the policy's own decision), so
-    the two columns differ only where the rules do. Latency is the measured
+    the two columns differ only where the rules do. A shape counts the
+    requests its events stand for: a pre-aggregating worker's sampled events
+    with their weights, so the counts are estimates there (``basis`` says so). Latency is the measured
     mean of the route and batch bucket on the engine class (speculative or
     plain) a decision chooses, from the rollups of the same window; requests
     in a bucket where a needed class was never measured are counted as
@@ -577,6 +608,8 @@ def what_if(session: Session, policy_name: str, *, revision: str | None, documen
         before, after = before_policy.decide(shape), after_policy.decide(shape)
         r = per_route[g.route]
         n = g.requests
+        r["events"] += g.events
+        r["sampled_events"] += g.sampled_events
         r["requests"] += n
         r["recorded_speculated"] += g.speculated
         r["speculated_before"] += n if before.speculate else 0
@@ -599,11 +632,13 @@ def what_if(session: Session, policy_name: str, *, revision: str | None, documen
         for name, value in r.items():
             total[name] += value
         routes.append(_what_if_row(route, r))
+    all_routes = _what_if_row(None, total)
     return {"policy": policy.name, "candidate": label, "baseline": active.id, "from": start, "to": end,
-            "routes": routes, "all_routes": _what_if_row(None, total), "truncated": truncated,
+            "routes": routes, "all_routes": all_routes, "truncated": truncated, "basis": all_routes["basis"],
             "method": "each recorded request shape decided with the active revision and with the candidate "
-                      "(no exploration); latency from the measured mean ITL and e2e of its route and batch bucket "
-                      "on the engine class each decision chooses"}
+                      "(no exploration; a sampled event counted as the requests it stands for); latency from "
+                      "the measured mean ITL and e2e of its route and batch bucket on the engine class each "
+                      "decision chooses"}
 
 
 def _shape_fields(*docs: PolicyDocument) -> tuple[set[str], dict[str, list[int]]]:
@@ -630,6 +665,7 @@ def _shape_fields(*docs: PolicyDocument) -> tuple[set[str], dict[str, list[int]]
 def _what_if_row(route: str | None, r: Mapping[str, float]) -> dict[str, Any]:
     n = r.get("requests", 0)
     est = r.get("estimated", 0)
+    sampled = int(r.get("sampled_events", 0))
 
     def share(name: str) -> float | None:
         return r.get(name, 0) / n if n else None
@@ -641,9 +677,12 @@ def _what_if_row(route: str | None, r: Mapping[str, float]) -> dict[str, Any]:
         return {"before": before, "after": after, "change": after / before - 1 if before else None}
 
     row: dict[str, Any] = {
-        "requests": int(n), "recorded_speculated_share": share("recorded_speculated"),
+        "requests": represented(n, sampled), "recorded_speculated_share": share("recorded_speculated"),
         "speculated_share_before": share("speculated_before"), "speculated_share_after": share("speculated_after"),
-        "decisions_changed": int(r.get("changed", 0)), "estimated_requests": int(est),
-        "unestimated_requests": int(r.get("unestimated", 0)), "itl_ms_mean": mean("itl"), "e2e_ms_mean": mean("e2e"),
+        "decisions_changed": represented(r.get("changed", 0), sampled),
+        "estimated_requests": represented(est, sampled),
+        "unestimated_requests": represented(r.get("unestimated", 0), sampled),
+        "itl_ms_mean": mean("itl"), "e2e_ms_mean": mean("e2e"),
+        "basis": basis(int(r.get("events", 0)), sampled, n),
     }
     return row if route is None else {"route": route, **row}

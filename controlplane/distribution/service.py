@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -231,10 +232,12 @@ def _revisions_by_id(repo: DistributionRepository,
     return found
 
 
-def load_view(session: Session, pools: Collection[str] | None = None) -> DistributionView:
-    """The view for workers of ``pools`` (every pool when None)."""
+def load_view(session: Session, pools: Collection[str] | None = None, *,
+              switches: tuple[bool, int, str] | None = None) -> DistributionView:
+    """The view for workers of ``pools`` (every pool when None); ``switches``: the fleet's kill switch,
+    generation and cohort secret when they were just read in this session."""
     repo = DistributionRepository(session)
-    kill_switch, generation, cohort_secret = repo.fleet_switches()
+    kill_switch, generation, cohort_secret = switches if switches is not None else repo.fleet_switches()
     policies = repo.policies(pools)
     rollouts: dict[str, tuple[Any, float | None]] = {}
     for rollout, percent in repo.live_rollouts([p.id for p in policies], LIVE_ROLLOUT_STATES):
@@ -277,6 +280,38 @@ def expected_bundles(session: Session,
         except (NoPolicy, RevisionCorrupt) as exc:
             outcomes[worker.id] = exc
     return outcomes
+
+
+class ViewCache:
+    """The view of each pool, kept while ``fleet_state.generation`` stays the same: what a heartbeat's answer
+    needs.
+
+    Every change that can alter a bundle bumps the generation in its own transaction (that is what wakes the
+    long-polls, on every replica), so the policies, rollouts and revisions read at generation G are current
+    for as long as the generation is G; the generation, the kill switch and the cohort secret are read each
+    time (one row). A fleet's heartbeats, 200 a second for a thousand workers, then read two rows fewer each
+    (bench/fleet.py).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._views: dict[str, DistributionView] = {}
+
+    def view(self, session: Session, pool: str) -> DistributionView:
+        switches = DistributionRepository(session).fleet_switches()
+        generation = switches[1]
+        with self._lock:
+            found = self._views.get(pool) if generation == self._generation else None
+        if found is not None and (found.kill_switch, found.cohort_secret) == (switches[0], switches[2]):
+            return found
+        view = load_view(session, [pool], switches=switches)
+        with self._lock:
+            if generation > self._generation:
+                self._generation, self._views = generation, {}
+            if generation == self._generation:
+                self._views[pool] = view
+        return view
 
 
 def expected_bundle(session: Session, worker: WorkerLike) -> Bundle:

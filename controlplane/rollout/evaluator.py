@@ -1,21 +1,25 @@
 """The background guardrail evaluator: every SPECGATE_GUARDRAIL_INTERVAL_S, each running rollout's step.
 
-Each look is its own transaction (one rollout's rollback does not wait for
-another's evaluation). Several replicas may look at the same rollout; the
-rollback itself serialises on the policy, so a rollout is rolled back once,
-and a look at a rollout that ended meanwhile is skipped.
+One process looks: the leader of the role ``guardrails``
+(:mod:`controlplane.leadership`, lock ``SPECGATE_GUARDRAIL_LOCK_KEY``; on
+SQLite the one process), taken over by another replica within one interval
+when it dies. Its first round runs one interval after the start. Each look is
+its own transaction (one rollout's rollback does not wait for another's
+evaluation). A look may still meet another at the same rollout (an
+operator's ``POST .../guardrails/evaluate``, an autopilot's look, a leader
+that lost its lock's connection mid-round): the rollback serialises on the
+policy, so a rollout is rolled back once, and a look at a rollout that ended
+meanwhile is skipped.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-
 from controlplane.db import unit_of_work
 from controlplane.errors import Conflict, NotFound
+from controlplane.leadership import GUARDRAILS, lead
 from controlplane.models import utcnow
 from controlplane.rollout import guardrails
 from controlplane.rollout.schemas import GuardrailEvaluationRead
@@ -54,10 +58,6 @@ def evaluate_all(app: Any) -> list[GuardrailEvaluationRead]:
 
 
 async def run_evaluator(app: Any, interval_s: float) -> None:
-    """Loop until cancelled; an error in one round is logged and the next round runs."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await run_in_threadpool(evaluate_all, app)
-        except Exception:
-            log.exception("guardrail evaluation round failed")
+    """Loop until cancelled, looking while this process leads; an error in one round is logged."""
+    await lead(app, GUARDRAILS, app.state.settings.guardrail_lock_key, interval_s, lambda: evaluate_all(app),
+               first_round_after_interval=True)

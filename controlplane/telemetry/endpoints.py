@@ -103,6 +103,10 @@ def _count(app: Any, result: service.IngestResult) -> None:
     metrics.telemetry_events.labels("stored").inc(ack.stored)
     metrics.telemetry_events.labels("already_stored").inc(result.already_stored)
     metrics.telemetry_events.labels("rejected").inc(ack.rejected_count)
+    metrics.telemetry_rollup_deltas.labels("stored").inc(ack.rollups_stored)
+    metrics.telemetry_rollup_deltas.labels("already_stored").inc(ack.rollups_accepted - ack.rollups_stored)
+    metrics.telemetry_rollup_deltas.labels("rejected").inc(ack.rollups_rejected_count)
+    metrics.telemetry_represented_requests.inc(result.represented)
 
 
 @router.post(

@@ -9,11 +9,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
 from wire.problems import ProblemCode
-from wire.telemetry import EVENT_SCHEMA_VERSION, TelemetryEvent
+from wire.telemetry import EVENT_SCHEMA_VERSION, RollupDelta, TelemetryEvent
 
 # PostgreSQL text cannot hold NUL, and ids with control characters only confuse people.
 NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
 MAX_EVENTS = 10_000
+MAX_ROLLUPS = 10_000
 
 BatchId = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=64, pattern=NO_CONTROL)]
 WorkerId = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=128, pattern=NO_CONTROL)]
@@ -34,12 +35,14 @@ class BatchEnvelope(BaseModel):
     schema_version: StrictInt = Field(default=EVENT_SCHEMA_VERSION, ge=EVENT_SCHEMA_VERSION,
                                       le=EVENT_SCHEMA_VERSION)
     events: list[Any] = Field(max_length=MAX_EVENTS)
+    rollups: list[Any] = Field(default_factory=list, max_length=MAX_ROLLUPS)
 
 
 class ValidBatch(BatchEnvelope):
-    """The strict envelope with every event valid: the one-pass check of a batch that has no bad event."""
+    """The strict envelope with every event and delta valid: the one-pass check of a batch with nothing bad."""
 
     events: list[TelemetryEvent] = Field(max_length=MAX_EVENTS)
+    rollups: list[RollupDelta] = Field(default_factory=list, max_length=MAX_ROLLUPS)
 
 
 class EventError(BaseModel):
@@ -66,6 +69,13 @@ class BatchAck(BaseModel):
     rejected_count: int = Field(description="events refused in all; `rejected` lists only the first few")
     duplicate: bool = Field(description="the batch id was received before: nothing was stored, and the "
                                         "counts are those of the first time")
+    rollups_accepted: int = Field(0, description="rollup deltas that validated (added now or before)")
+    rollups_stored: int = Field(0, description="rollup deltas added to the rollups by this batch; a delta id "
+                                               "seen before from the same worker is not added again")
+    rollups_rejected: list[RejectedEvent] = Field(
+        default_factory=list, description=f"the first {REJECTED_KEPT} rollup deltas refused, each with its index "
+                                          "in the batch's rollups and reasons")
+    rollups_rejected_count: int = Field(0, description="rollup deltas refused in all")
 
 
 class GroupBy(StrEnum):

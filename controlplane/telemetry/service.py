@@ -33,14 +33,15 @@ from sqlalchemy.orm import Session
 
 from analysis.buckets import batch_bucket_label
 from analysis.histogram import METRICS, quantile
-from analysis.rollup import COUNTERS, KEY_FIELDS, aggregate
+from analysis.rollup import COUNTERS, KEY_FIELDS, RollupKey, add_delta, aggregate
+from analysis.rollup import RollupDelta as Sums
 from controlplane.auth.service import WorkerGrant
 from controlplane.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry.repository import PurgeCounts, RollupFilter, TelemetryRepository
 from controlplane.telemetry.schemas import REJECTED_KEPT, BatchAck, BatchEnvelope, EventError, RejectedEvent, ValidBatch
 from wire.problems import ProblemCode, problem_code
-from wire.telemetry import TelemetryEvent
+from wire.telemetry import RollupDelta, TelemetryEvent
 
 # A gzip body may inflate to this many times SPECGATE_MAX_BODY_BYTES, no more (zip bombs).
 DECOMPRESSION_FACTOR = 16
@@ -69,6 +70,18 @@ class EventWindow:
                retention_days: int) -> EventWindow:
         back = min(dt.timedelta(seconds=max_age_s), dt.timedelta(days=retention_days))
         return cls(received_at - back, received_at + dt.timedelta(seconds=max_skew_s))
+
+    def check_minute(self, minute: dt.datetime) -> EventError | None:
+        """A rollup delta's minute: accepted when any instant of it is inside the window."""
+        if minute + dt.timedelta(minutes=1) <= self.earliest:
+            return EventError(path="minute", code=ProblemCode.out_of_range,
+                              message=f"ends before {self.earliest.isoformat()}, the oldest time accepted now "
+                                      "(SPECGATE_TELEMETRY_MAX_EVENT_AGE_S)")
+        if minute > self.latest:
+            return EventError(path="minute", code=ProblemCode.out_of_range,
+                              message=f"is after {self.latest.isoformat()}, more than "
+                                      "SPECGATE_TELEMETRY_MAX_CLOCK_SKEW_S ahead of the control plane's clock")
+        return None
 
     @classmethod
     def from_settings(cls, settings: ControlPlaneSettings, received_at: dt.datetime) -> EventWindow:
@@ -104,6 +117,10 @@ class ParsedBatch:
     event_count: int
     events: list[TelemetryEvent]  # the valid ones, in batch order
     rejected: list[RejectedEvent]
+    # a pre-aggregating worker's rollup deltas: how many came, the valid ones in order, the refused ones
+    rollup_count: int = 0
+    rollups: list[RollupDelta] = field(default_factory=list)
+    rollups_rejected: list[RejectedEvent] = field(default_factory=list)
 
 
 def _media_type(header: str | None) -> str:
@@ -163,19 +180,26 @@ def _event_errors(errors: Sequence[ErrorDetails]) -> list[EventError]:
             for e in errors[:MAX_ERRORS_PER_EVENT]]
 
 
-def _to_utc(event: TelemetryEvent, window: EventWindow | None) -> EventError | None:
-    """Normalize ``time`` to UTC (a time without a zone is taken as UTC, as the contract says times are)
-    and hold it to the window."""
-    time = event.time
+def _as_utc(time: dt.datetime, path: str) -> dt.datetime | EventError:
+    """``time`` in UTC: a time without a zone is taken as UTC, as the contract says times are."""
     offset = time.utcoffset()
     if offset is None:
-        event.time = time.replace(tzinfo=dt.UTC)
-    elif offset:
-        try:
-            event.time = time.astimezone(dt.UTC)
-        except OverflowError:
-            return EventError(path="time", code=ProblemCode.out_of_range, message="is out of range in UTC")
-    return None if window is None else window.check(event.time)
+        return time.replace(tzinfo=dt.UTC)
+    if not offset:
+        return time
+    try:
+        return time.astimezone(dt.UTC)
+    except OverflowError:
+        return EventError(path=path, code=ProblemCode.out_of_range, message="is out of range in UTC")
+
+
+def _to_utc(event: TelemetryEvent, window: EventWindow | None) -> EventError | None:
+    """Normalize ``time`` to UTC and hold it to the window."""
+    time = _as_utc(event.time, "time")
+    if isinstance(time, EventError):
+        return time
+    event.time = time
+    return None if window is None else window.check(time)
 
 
 def _envelope_failed(exc: ValidationError) -> ValidationFailed:
@@ -209,7 +233,31 @@ def parse_batch(raw: bytes, window: EventWindow | None = None) -> ParsedBatch:
             rejected.append(RejectedEvent(index=index, errors=[problem]))
         else:
             events.append(event)
-    return ParsedBatch(whole.batch_id, whole.worker_id, len(whole.events), events, rejected)
+    rollups, rollups_rejected = _deltas_in_window(whole.rollups, window)
+    return ParsedBatch(whole.batch_id, whole.worker_id, len(whole.events), events, rejected,
+                       len(whole.rollups), rollups, rollups_rejected)
+
+
+def _delta_to_utc(delta: RollupDelta, window: EventWindow | None) -> EventError | None:
+    """A delta's minute in UTC, held to the window."""
+    minute = _as_utc(delta.minute, "minute")
+    if isinstance(minute, EventError):
+        return minute
+    delta.minute = minute
+    return None if window is None else window.check_minute(minute)
+
+
+def _deltas_in_window(deltas: Sequence[RollupDelta],
+                      window: EventWindow | None) -> tuple[list[RollupDelta], list[RejectedEvent]]:
+    kept: list[RollupDelta] = []
+    refused: list[RejectedEvent] = []
+    for index, delta in enumerate(deltas):
+        problem = _delta_to_utc(delta, window)
+        if problem is None:
+            kept.append(delta)
+        else:
+            refused.append(RejectedEvent(index=index, errors=[problem]))
+    return kept, refused
 
 
 def _parse_event_by_event(raw: bytes, window: EventWindow | None) -> ParsedBatch:
@@ -241,7 +289,21 @@ def _parse_event_by_event(raw: bytes, window: EventWindow | None) -> ParsedBatch
             rejected.append(RejectedEvent(index=index, errors=[problem]))
         else:
             events.append(event)
-    return ParsedBatch(envelope.batch_id, envelope.worker_id, len(envelope.events), events, rejected)
+    valid: list[RollupDelta] = []
+    invalid: list[RejectedEvent] = []
+    for index, item in enumerate(envelope.rollups):
+        try:
+            valid.append(RollupDelta.model_validate(item))
+        except ValidationError as exc:
+            invalid.append(RejectedEvent(index=index, errors=_event_errors(exc.errors(include_url=False))))
+    rollups, out_of_window = _deltas_in_window(valid, window)
+    # the indices of the window's refusals are among the valid deltas: back to the batch's
+    invalid_at = {r.index for r in invalid}
+    valid_at = [i for i in range(len(envelope.rollups)) if i not in invalid_at]
+    for refusal in out_of_window:
+        refusal.index = valid_at[refusal.index]
+    return ParsedBatch(envelope.batch_id, envelope.worker_id, len(envelope.events), events, rejected,
+                       len(envelope.rollups), rollups, sorted([*invalid, *out_of_window], key=lambda r: r.index))
 
 
 # --- ingest -------------------------------------------------------------------------------------
@@ -251,6 +313,8 @@ class IngestResult:
     ack: BatchAck
     # valid events that were stored before (by another batch, or twice in this one)
     already_stored: int
+    # the requests this batch added to the rollups: its new events rolled up on arrival, and its new deltas'
+    represented: int = 0
 
 
 def _refuse_foreign(batch: ParsedBatch, grant: WorkerGrant, repo: TelemetryRepository) -> None:
@@ -313,12 +377,16 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
         # Stored as the batch's sender: it must be the key's own worker, registered or not.
         grant.check(batch.worker_id, unregistered_passes=False)
         _refuse_foreign(batch, grant, repo)
+        _refuse_foreign_deltas(batch, grant, repo)
     kept = batch.rejected[:REJECTED_KEPT]
     rejected = [r.model_dump() for r in kept]
+    deltas_kept = batch.rollups_rejected[:REJECTED_KEPT]
     claimed = repo.claim_batch({
         "batch_id": batch.batch_id, "worker_id": batch.worker_id, "sent_by": sent_by,
         "received_at": received_at, "event_count": batch.event_count, "accepted": len(batch.events),
-        "stored": 0, "rejected": rejected,
+        "stored": 0, "rejected": rejected, "rollup_count": batch.rollup_count,
+        "rollups_accepted": len(batch.rollups), "rollups_stored": 0,
+        "rollups_rejected": [r.model_dump() for r in deltas_kept] if batch.rollup_count else None,
     })
     if not claimed:
         first = repo.batch(batch.batch_id)
@@ -326,7 +394,10 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
             raise RuntimeError(f"batch {batch.batch_id!r} conflicted but cannot be read")
         ack = BatchAck(batch_id=first.batch_id, accepted=first.accepted, stored=first.stored,
                        rejected=[_stored_rejection(r) for r in first.rejected],
-                       rejected_count=first.event_count - first.accepted, duplicate=True)
+                       rejected_count=first.event_count - first.accepted, duplicate=True,
+                       rollups_accepted=first.rollups_accepted, rollups_stored=first.rollups_stored,
+                       rollups_rejected=[_stored_rejection(r) for r in first.rollups_rejected or []],
+                       rollups_rejected_count=first.rollup_count - first.rollups_accepted)
         return IngestResult(ack, already_stored=0)
 
     unique: dict[str, TelemetryEvent] = {}
@@ -336,11 +407,59 @@ def ingest(session: Session, batch: ParsedBatch, *, sent_by: str, received_at: d
     ordered = [unique[event_id] for event_id in sorted(unique)]
     inserted = repo.insert_events(ordered, batch_id=batch.batch_id, received_at=received_at)
     fresh = [e for e in ordered if e.event_id in inserted]
-    _add_to_rollups(repo, fresh)
-    repo.set_batch_stored(batch.batch_id, len(fresh))
+    fresh_deltas = _fresh_deltas(repo, batch, received_at)
+    # A sampled event's request is in its worker's deltas: stored, never rolled up again.
+    rolled_up = [e for e in fresh if e.sample_weight is None]
+    _add_to_rollups(repo, rolled_up, fresh_deltas)
+    repo.set_batch_stored(batch.batch_id, len(fresh), len(fresh_deltas))
     ack = BatchAck(batch_id=batch.batch_id, accepted=len(batch.events), stored=len(fresh),
-                   rejected=kept, rejected_count=len(batch.rejected), duplicate=False)
-    return IngestResult(ack, already_stored=len(batch.events) - len(fresh))
+                   rejected=kept, rejected_count=len(batch.rejected), duplicate=False,
+                   rollups_accepted=len(batch.rollups), rollups_stored=len(fresh_deltas),
+                   rollups_rejected=deltas_kept, rollups_rejected_count=len(batch.rollups_rejected))
+    represented = len(rolled_up) + sum(int(d.counters["requests"]) for d in fresh_deltas)
+    return IngestResult(ack, already_stored=len(batch.events) - len(fresh), represented=represented)
+
+
+def _fresh_deltas(repo: TelemetryRepository, batch: ParsedBatch, received_at: dt.datetime) -> list[RollupDelta]:
+    """The batch's deltas not added before: each (worker, delta id) is recorded once, the first time."""
+    if not batch.rollups:
+        return []
+    unique: dict[str, RollupDelta] = {}
+    for delta in batch.rollups:
+        unique.setdefault(delta.delta_id, delta)
+    ordered = [unique[delta_id] for delta_id in sorted(unique)]  # one lock order, as for events
+    added = repo.record_deltas(batch.worker_id, [(d.delta_id, d.minute) for d in ordered],
+                               batch_id=batch.batch_id, received_at=received_at)
+    return [d for d in ordered if d.delta_id in added]
+
+
+def _refuse_foreign_deltas(batch: ParsedBatch, grant: WorkerGrant, repo: TelemetryRepository) -> None:
+    """A worker key's deltas are its batch's worker's (checked before): each must claim that worker's registered
+    pool and a policy serving it, as its events must (:func:`_refuse_foreign`); the others are refused."""
+    if not batch.rollups:
+        return
+    expected = grant.pools_of([batch.worker_id])[batch.worker_id]
+    serving = repo.policies_serving({d.pool for d in batch.rollups})
+    poolless = serving.get(None)
+    refused_at = {r.index for r in batch.rollups_rejected}
+    valid_at = [i for i in range(batch.rollup_count) if i not in refused_at]
+    kept: list[RollupDelta] = []
+    refused: list[RejectedEvent] = []
+    for index, delta in zip(valid_at, batch.rollups, strict=True):
+        error: EventError | None = None
+        if expected is not None and delta.pool != expected:
+            error = EventError(path="pool", code=ProblemCode.pool_mismatch,
+                               message=f"worker {batch.worker_id!r} is in pool {expected!r}, not {delta.pool!r}")
+        elif delta.policy not in (serving.get(delta.pool), poolless):
+            error = EventError(path="policy", code=ProblemCode.wrong_policy,
+                               message=f"policy {delta.policy!r} does not serve pool {delta.pool!r}")
+        if error is None:
+            kept.append(delta)
+        else:
+            refused.append(RejectedEvent(index=index, errors=[error]))
+    if refused:
+        batch.rollups = kept
+        batch.rollups_rejected = sorted([*batch.rollups_rejected, *refused], key=lambda r: r.index)
 
 
 def _stored_rejection(stored: Mapping[str, Any]) -> RejectedEvent:
@@ -356,8 +475,11 @@ def _stored_rejection(stored: Mapping[str, Any]) -> RejectedEvent:
     return RejectedEvent(index=stored["index"], errors=errors)
 
 
-def _add_to_rollups(repo: TelemetryRepository, events: Sequence[TelemetryEvent]) -> None:
-    deltas = aggregate(events)
+def _add_to_rollups(repo: TelemetryRepository, events: Sequence[TelemetryEvent],
+                    worker_deltas: Sequence[RollupDelta] = ()) -> None:
+    deltas: dict[RollupKey, Sums] = aggregate(events)
+    for delta in worker_deltas:
+        add_delta(deltas, delta)
     keys = sorted(deltas)  # one lock order for every transaction
     rows = [{**dict(zip(KEY_FIELDS, key, strict=True)), **deltas[key].totals.as_dict()} for key in keys]
     ids = repo.upsert_rollups(rows)

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from controlplane.auth.service import Principal
 from controlplane.db import unit_of_work
 from controlplane.deps import Reader, SessionDep, WorkerKey
+from controlplane.distribution.service import ViewCache
 from controlplane.errors import AUTH_RESPONSES, INVALID_RESPONSE, TOO_LARGE_RESPONSE, problems
 from controlplane.worker import service
 from controlplane.worker.schemas import (
@@ -70,7 +71,15 @@ async def heartbeat(request: Request, who: WorkerKey,
 
 def _heartbeat(app: Any, worker_id: str, body: WorkerHeartbeat, who: Principal) -> HeartbeatAck:
     with unit_of_work(app.state.sessions) as session:
-        return service.heartbeat(session, worker_id, body, who=who)
+        return service.heartbeat(session, worker_id, body, who=who, views=_views_of(app.state))
+
+
+def _views_of(state: Any) -> ViewCache:
+    found: ViewCache | None = getattr(state, "heartbeat_views", None)
+    if found is None:
+        # Two threads may both make one at first; either is right, one is kept.
+        found = state.heartbeat_views = ViewCache()
+    return found
 
 
 @router.get("/workers", response_model=WorkerPage, responses=INVALID_RESPONSE)

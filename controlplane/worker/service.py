@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from controlplane.audit.service import record
 from controlplane.auth.service import Principal, authorize_registration, authorize_worker
 from controlplane.distribution.publish import bump_generation
-from controlplane.distribution.service import DistributionView, load_view
+from controlplane.distribution.service import DistributionView, ViewCache, load_view
 from controlplane.errors import NotFound
 from controlplane.models import Worker, utcnow
 from controlplane.worker.repository import WorkerRepository
@@ -106,7 +106,8 @@ def register(session: Session, body: WorkerRegister, *, who: Principal) -> Regis
     return Registration(worker, False, generation)
 
 
-def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: Principal) -> HeartbeatAck:
+def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: Principal,
+              views: ViewCache | None = None) -> HeartbeatAck:
     # Heartbeats are not audited: they report liveness and what a worker runs, not a change anyone made,
     # and auditing them would bury the real changes. Except an engine failure they report: a policy change
     # that an engine could not run (or an engine that died) is what an operator looks for in the audit log.
@@ -130,7 +131,8 @@ def heartbeat(session: Session, worker_id: str, body: WorkerHeartbeat, *, who: P
         _stamp_serving_since(previous, reports, worker.last_heartbeat_at)
         worker.supervised_engines = reports
         worker.supervised_reported_at = worker.last_heartbeat_at
-    expected = load_view(session, [worker.pool]).expected_etag(worker)
+    view = views.view(session, worker.pool) if views is not None else load_view(session, [worker.pool])
+    expected = view.expected_etag(worker)
     return HeartbeatAck(expected_etag=expected,
                         converged=worker.active_etag == expected and _engines_converged(worker) is not False)
 

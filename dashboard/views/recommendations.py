@@ -16,7 +16,7 @@ import pandas as pd
 import streamlit as st
 
 from apiclient import ApiError, calls
-from apiclient.models import Autopilot, Recommendation
+from apiclient.models import Autopilot, Basis, Recommendation
 from dashboard import ui
 from dashboard.views.common import MEASURE_LABELS, switchback_table, switchback_verdict
 
@@ -136,20 +136,34 @@ def _what_if(session: ui.Session, policy: str, params: dict[str, Any]) -> None:
     if shown and shown.get("policy") == policy:
         total = shown.get("all_routes") or {}
         itl = total.get("itl_ms_mean") or {}
+        basis = Basis.model_validate(shown["basis"]) if shown.get("basis") else None
+        estimated = basis is not None and basis.estimated
         c1, c2, c3 = st.columns(3)
-        c1.metric("Decisions changed", f"{total.get('decisions_changed', 0):,} of {total.get('requests', 0):,}")
+        c1.metric("Decisions changed", f"{_count(total.get('decisions_changed', 0))} of "
+                                       f"{_count(total.get('requests', 0))}" + (" (estimated)" if estimated else ""))
         c2.metric("Speculated share", _fmt(total.get("speculated_share_after")),
                   delta=None if total.get("speculated_share_before") is None or total.get("speculated_share_after")
                   is None else f"{total['speculated_share_after'] - total['speculated_share_before']:+.1%}")
         c3.metric("Mean ITL (ms)", _fmt(itl.get("after")),
                   delta=None if itl.get("change") is None else f"{itl['change']:+.1%}", delta_color="inverse")
+        note = None if basis is None else basis.note(ui.literal("telemetry.raw_sample_rate"))
+        if note is not None:
+            st.info(note)
         routes = shown.get("routes") or []
         if routes:
             st.dataframe(pd.DataFrame([{
                 "route": r.get("route"), "requests": r.get("requests"), "decisions changed": r.get("decisions_changed"),
                 "speculated before": r.get("speculated_share_before"), "after": r.get("speculated_share_after"),
                 "ITL change": (r.get("itl_ms_mean") or {}).get("change"),
+                # Where samples are in the replay, per route: how many recorded requests its figures rest on.
+                **({"recorded": (r.get("basis") or {}).get("events"),
+                    "sampled": (r.get("basis") or {}).get("sampled_events")} if estimated else {}),
             } for r in routes]), hide_index=True, width="stretch")
+
+
+def _count(value: Any) -> str:
+    """A request count: an estimate from sampled events (a float) rounded to whole requests."""
+    return f"{value:,.0f}" if isinstance(value, float) else f"{value:,}"
 
 
 def _switchback(comparison: dict[str, Any] | None) -> None:

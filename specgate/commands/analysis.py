@@ -9,13 +9,14 @@ policy document, with no control plane at all.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from apiclient import calls
-from apiclient.models import Recommendation, ShadowSummary
+from apiclient.models import Basis, Recommendation, ShadowSummary, WorkerSummary
 from specgate.commands.rest import DEFAULT_URL, JsonOpt, KeyOpt, UrlOpt, control_plane, fail, show
 
 analysis_app = typer.Typer(help="Telemetry analysis: summaries, speedups, before/after, what-if, guardrails.",
@@ -32,14 +33,34 @@ def _fmt(value: Any, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _count(value: int | float) -> str:
+    """A request count; an estimate from sampled events (a float) is printed whole, with a ~."""
+    return str(value) if isinstance(value, int) else f"~{value:.0f}"
+
+
+def _note(basis: Basis | None) -> None:
+    """Where the figures rest on sampled events, say so after them; nothing otherwise."""
+    note = None if basis is None else basis.note()
+    if note is not None:
+        typer.echo(note)
+
+
+def _raw_rows(rows: list[WorkerSummary], label: Callable[[dict[str, Any]], str]) -> None:
+    for w in rows:
+        typer.echo(f"{label(w.key):<24} n={_count(w.requests):<8} acc={_fmt(w.acceptance_rate)} "
+                   f"itl_mean={_fmt(w.itl_ms_mean)}ms err={_fmt(w.error_rate)}")
+
+
 @analysis_app.command("summary")
 def summary(policy: Annotated[str | None, typer.Option()] = None, route: Annotated[str | None, typer.Option()] = None,
             group_by: Annotated[str, typer.Option(help="comma-separated: route, engine, batch_bucket, revision, "
-                                                       "policy, explored; or worker")] = "route,engine,batch_bucket",
+                                                       "policy, explored; or worker, or replica (from the raw "
+                                                       "events)")] = "route,engine,batch_bucket",
             window: Annotated[str | None, typer.Option(help="minute, hour or day")] = None,
             start: FromOpt = None, end: ToOpt = None, as_json: JsonOpt = False, url: UrlOpt = DEFAULT_URL,
             key: KeyOpt = "") -> None:
-    """Requests, acceptance, p50/p95 latencies and rates per group (from the rollups)."""
+    """Requests, acceptance, p50/p95 latencies and rates per group (from the rollups; per worker or replica from
+    the raw events, with a note where those are estimates from sampled events)."""
     with control_plane(url, key) as api:
         reply = api.send(calls.summary(group_by=group_by, policy=policy, route=route, window=window, since=start,
                                        until=end))
@@ -47,9 +68,12 @@ def summary(policy: Annotated[str | None, typer.Option()] = None, route: Annotat
         show(reply.json, True)
         return
     if reply.data.workers is not None:
-        for w in reply.data.workers:
-            typer.echo(f"{w.key['worker_id']:<24} n={w.requests:<8} acc={_fmt(w.acceptance_rate)} "
-                       f"itl_mean={_fmt(w.itl_ms_mean)}ms err={_fmt(w.error_rate)}")
+        _raw_rows(reply.data.workers, lambda key: key["worker_id"])
+        _note(reply.data.basis)
+        return
+    if reply.data.replicas is not None:
+        _raw_rows(reply.data.replicas, lambda key: f"{key['engine']}/{key['replica'] or '-'}")
+        _note(reply.data.basis)
         return
     for row in reply.data.rows:
         group = " ".join(f"{k}={v}" for k, v in row.key.items() if k != "batch_bucket")
@@ -129,8 +153,10 @@ def what_if(policy: PolicyOpt,
         except (OSError, yaml.YAMLError) as exc:
             fail(f"cannot read {file}: {exc}", 2)
     with control_plane(url, key) as api:
-        show(api.send(calls.what_if(policy, revision=revision, document=document, since=start, until=end)).json,
-             as_json)
+        reply = api.send(calls.what_if(policy, revision=revision, document=document, since=start, until=end))
+    show(reply.json, as_json)
+    if not as_json:
+        _note(reply.data.basis)
 
 
 @analysis_app.command("cells")

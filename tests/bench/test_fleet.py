@@ -4,6 +4,11 @@
 must be complete, every worker must reach every publish's ETag, every event
 the control plane acknowledged must be in the database once (and in the
 rollups), and the CPU and growth figures must have been measured.
+
+Then a few pre-aggregating sidecars (``mode="deltas"``) for a few seconds:
+the rollups must count exactly the requests the workers represented, every
+delta the control plane acknowledged must be recorded once, and the stored
+events must be the sampled ones only.
 """
 
 from __future__ import annotations
@@ -92,3 +97,46 @@ def test_the_throw_away_database_is_gone(report: dict[str, Any]) -> None:
     finally:
         engine.dispose()
     assert left == 0
+
+
+@pytest.fixture(scope="module")
+def deltas_report() -> dict[str, Any]:
+    # A high sample rate, so that a few seconds of a few workers store some sampled events, and deltas finished
+    # every second (the sidecar's default is a minute), so that the window sees some.
+    config = fleet.FleetConfig(workers=4, seconds=4.0, publishes=1, warmup_s=1.0, rps_per_worker=20.0,
+                               mode="deltas", raw_sample_rate=0.2, delta_flush_s=1.0, setup_timeout_s=120.0,
+                               publish_timeout_s=30.0, drain_timeout_s=60.0)
+    result: dict[str, Any] = fleet.run(config, PG_ADMIN_URL)
+    return result
+
+
+def test_deltas_mode_counts_every_represented_request_once(deltas_report: dict[str, Any]) -> None:
+    assert "aborted" not in deltas_report, deltas_report.get("aborted")
+    check = deltas_report["verify"]
+    assert check["ok"], check
+    assert check["exact"]
+    assert check["requests_represented"] > 0
+    assert check["requests_in_rollups"] == check["requests_represented"]
+    assert check["deltas_acked"] > 0
+    assert check["deltas_stored"] == check["deltas_acked"] == check["delta_records"]
+    assert check["deltas_rejected"] == 0
+    # Only the sampled requests are stored as events, each with its weight; far fewer than the requests.
+    assert 0 < check["events_in_db"] == check["sampled_events_in_db"] < check["requests_represented"]
+    assert deltas_report["propagation"]["every_worker_every_publish"]
+    assert "4 workers, mode deltas (raw sample 0.2)" in fleet.render(deltas_report)
+
+
+def test_deltas_mode_reports_represented_requests(deltas_report: dict[str, Any]) -> None:
+    telemetry, cpu = deltas_report["telemetry"], deltas_report["cpu"]
+    assert telemetry["represented_requests"] > telemetry["events_stored"]
+    assert telemetry["raw_sample_rate"] == 0.2
+    assert cpu["per_1000_requests"]["control_plane_s"] > 0
+    assert "telemetry_rollup_deltas" in deltas_report["storage"]["growth_bytes"]
+
+
+def test_modes_compare(report: dict[str, Any], deltas_report: dict[str, Any]) -> None:
+    comparison = fleet.compare([report, deltas_report])
+    assert set(comparison["modes"]) == {"raw", "deltas"}
+    assert comparison["modes"]["deltas"]["verified"]
+    assert comparison["deltas_over_raw"]["requests_per_control_plane_cpu_s"] > 0
+    assert "deltas / raw" in fleet.render_comparison(comparison)

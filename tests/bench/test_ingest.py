@@ -63,3 +63,30 @@ def test_a_tiny_run_stores_every_event_sent_once(tmp_path: Path) -> None:
     assert result["latency_ms"]["p50"] > 0
     assert json.loads(out.read_text())["results"][0]["events_stored"] == result["events_stored"]
     assert report["goal"]["met"] is None  # no PostgreSQL in this run
+
+
+def test_compare_runs_each_path_alternately_on_a_fresh_database_and_reports_the_ratio() -> None:
+    report = ingest.main(["--database", "sqlite", "--senders", "1", "--seconds", "0.5", "--batch-size", "20",
+                          "--supply-rate", "400", "--compare", "copy,generic", "--rounds", "1"])
+    assert [r["ingest_path"] for r in report["results"]] == ["copy", "generic"]
+    assert len({r["run"] for r in report["results"]}) == 2
+    assert all(r["verify"]["ok"] and r["events_stored"] > 0 for r in report["results"])
+    summary = report["comparison"]["sqlite"]
+    assert summary["copy"]["vs"] == "generic"
+    for path in ("copy", "generic"):
+        us = summary[path]["cpu_us_per_event"]
+        assert us["postgres"] is None  # SQLite: the control plane's CPU only
+        assert us["sum"] == us["control_plane"] > 0
+    assert summary["copy"]["ratio"] == pytest.approx(summary["generic"]["cpu_us_per_event"]["sum"]
+                                                     / summary["copy"]["cpu_us_per_event"]["sum"], rel=0.02)
+    assert "cpu_ratio_copy_vs_json" not in report["goal"]  # only a PostgreSQL comparison of copy with json
+
+
+def test_the_path_switches_parse() -> None:
+    assert ingest.parse_args([]).ingest_path == "copy"
+    assert ingest.parse_args(["--generic-insert"]).ingest_path == "generic"
+    assert ingest.parse_args(["--ingest-path", "json"]).ingest_path == "json"
+    assert ingest.parse_args(["--compare", "copy,json"]).compare == ["copy", "json"]
+    for bad in ("copy", "copy,copy", "copy,bulk"):
+        with pytest.raises(SystemExit):
+            ingest.parse_args(["--compare", bad])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
 from controlplane.app import create_app
-from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+from controlplane.db import make_sessionmaker, unit_of_work
 from controlplane.models import TelemetryEventRecord, event_partition_name, utcnow
 from controlplane.settings import ControlPlaneSettings
 from controlplane.telemetry import service
@@ -27,15 +26,6 @@ from specgate.cli import app as cli_app
 from tests.support.rollup_check import assert_rollups_equal_raw
 from tests.support.telemetry_bodies import event
 from wire.telemetry import TelemetryEvent
-
-
-@pytest.fixture
-def db(settings: ControlPlaneSettings) -> Iterator[Engine]:
-    engine = make_engine(settings.database_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 def pg(engine: Engine) -> bool:

@@ -238,7 +238,7 @@ def test_partitioning_events_keeps_every_row_up_and_down(database_url: str) -> N
         before = stored()
         assert len(before) == 4
 
-        upgrade(database_url)
+        upgrade(database_url, "20261207_0005")
         engine.dispose()
         assert stored() == before
         indexes = {ix["name"] for ix in inspect(engine).get_indexes("telemetry_events")}
@@ -266,8 +266,55 @@ def test_partitioning_events_keeps_every_row_up_and_down(database_url: str) -> N
         indexes = {ix["name"] for ix in inspect(engine).get_indexes("telemetry_events")}
         assert len(indexes) == 6
 
-        upgrade(database_url)
+        upgrade(database_url, "20261207_0005")
         engine.dispose()
         assert stored() == before
+    finally:
+        engine.dispose()
+
+
+def test_edge_rollups_keep_events_batches_and_rollups_up_and_down(database_url: str) -> None:
+    import datetime as dt
+
+    from sqlalchemy import MetaData, Table
+
+    upgrade(database_url, "20261207_0005")
+    engine = make_engine(database_url)
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    event = {"event_id": "e-1", "request_id": "r", "time": now, "worker_id": "w", "pool": "a", "route": "chat",
+             "model": "m", "policy": "p", "revision": "r", "rule": "x", "engine": "draft", "decided_engine": "draft",
+             "speculate": True, "num_speculative_tokens": 3, "explored": False, "canary": False,
+             "kill_switch": False, "batch_size": 1, "stream": False, "structured_output": False, "tools": False,
+             "e2e_ms": 5.0, "status": "ok", "retries": 0, "fallback": False, "batch_id": "b", "received_at": now}
+    batch = {"batch_id": "b", "worker_id": "w", "sent_by": "k", "received_at": now, "event_count": 1,
+             "accepted": 1, "stored": 1, "rejected": []}
+
+    def rows(table: str) -> list[dict[str, object]]:
+        with engine.connect() as conn:
+            t = Table(table, MetaData(), autoload_with=conn)
+            return [dict(r) for r in conn.execute(select(t)).mappings()]
+
+    try:
+        with engine.begin() as conn:
+            conn.execute(Table("telemetry_batches", MetaData(), autoload_with=conn).insert(), [batch])
+            conn.execute(Table("telemetry_events", MetaData(), autoload_with=conn).insert(), [event])
+        events_before, batches_before = rows("telemetry_events"), rows("telemetry_batches")
+
+        upgrade(database_url, "20261207_0006")
+        engine.dispose()
+        assert rows("telemetry_events") == [{**events_before[0], "sample_weight": None}]
+        assert rows("telemetry_batches") == [{**batches_before[0], "rollup_count": 0, "rollups_accepted": 0,
+                                              "rollups_stored": 0, "rollups_rejected": None}]
+        with engine.begin() as conn:
+            conn.execute(Table("telemetry_rollup_deltas", MetaData(), autoload_with=conn).insert(),
+                         [{"worker_id": "w", "delta_id": "d-1", "minute": now.replace(second=0), "batch_id": "b",
+                           "received_at": now}])
+        assert len(rows("telemetry_rollup_deltas")) == 1
+
+        downgrade(database_url, "20261207_0005")
+        engine.dispose()
+        assert rows("telemetry_events") == events_before
+        assert rows("telemetry_batches") == batches_before
+        assert "telemetry_rollup_deltas" not in inspect(engine).get_table_names()
     finally:
         engine.dispose()

@@ -9,7 +9,6 @@ import json
 import math
 import random
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,7 +21,7 @@ from typer.testing import CliRunner
 from analysis.buckets import BATCH_BUCKETS, batch_bucket, batch_bucket_label
 from analysis.histogram import EDGES, NUM_BUCKETS, bucket_bounds, bucket_index, quantile
 from analysis.rollup import COUNTERS
-from controlplane.db import make_engine, make_sessionmaker, unit_of_work
+from controlplane.db import make_sessionmaker, unit_of_work
 from controlplane.models import (
     TelemetryBatchRecord,
     TelemetryEventRecord,
@@ -37,7 +36,7 @@ from specgate.cli import app as cli_app
 from tests.support.factories import seed_policy
 from tests.support.live import serve
 from tests.support.rollup_check import assert_rollups_equal_raw, expected_bucket
-from tests.support.telemetry_bodies import event
+from tests.support.telemetry_bodies import event, random_event
 from wire.problems import ProblemCode
 from wire.telemetry import TelemetryEvent
 
@@ -71,15 +70,6 @@ def worker_key(worker_key: dict[str, str], settings: ControlPlaneSettings) -> di
     seed_policy(settings.database_url)
     seed_policy(settings.database_url, name="other", pool="a")
     return worker_key
-
-
-@pytest.fixture
-def db(settings: ControlPlaneSettings) -> Iterator[Engine]:
-    engine = make_engine(settings.database_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 def count(engine: Engine, model: Any) -> int:
@@ -157,7 +147,8 @@ def test_plain_and_gzip_batches_are_stored_field_for_field(client: TestClient, w
     r = post(client, worker_key, batch("b-plain", [event(1), event(2)]), compress=False)
     assert r.status_code == 200, r.text
     assert r.json() == {"batch_id": "b-plain", "accepted": 2, "stored": 2, "rejected": [], "rejected_count": 0,
-                        "duplicate": False}
+                        "duplicate": False, "rollups_accepted": 0, "rollups_stored": 0, "rollups_rejected": [],
+                        "rollups_rejected_count": 0}
     offset = event(3, time="2026-12-02T12:00:30.250+02:00", structured_valid=True, fallback_reason="read_timeout",
                    ttft_ms=None, spec_draft_tokens=None, shadow_match=False, shadow_first_diff=17,
                    shadow_structured_valid=False, shadow_check_passed=False,
@@ -367,45 +358,6 @@ def test_an_event_in_two_batches_is_stored_and_counted_once(client: TestClient, 
 
 
 # --- rollups equal the raw events -----------------------------------------------------------------
-
-def random_event(rng: random.Random, n: int) -> dict[str, Any]:
-    def maybe(value: Any, p: float = 0.15) -> Any:
-        return None if rng.random() < p else value
-
-    completion = maybe(rng.randint(0, 900))
-    return event(
-        n,
-        time=(T0 + dt.timedelta(seconds=rng.uniform(0, 600))).isoformat(),
-        policy=rng.choice(["seed", "other"]), revision=rng.choice(["rev-1", "rev-2", "rev-3"]),
-        route=rng.choice(["chat", "code", "rag", "agent"]), engine=rng.choice(["base", "draft", "ngram"]),
-        batch_size=rng.choice([0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 200]),
-        explored=rng.random() < 0.1, speculate=rng.random() < 0.5,
-        status=rng.choice(["ok"] * 8 + ["error", "client_disconnect", "upstream_error"]),
-        retries=rng.choice([0, 0, 0, 1, 2]), fallback=rng.random() < 0.05,
-        structured_valid=rng.choice([None, None, True, False]),
-        prompt_tokens=maybe(rng.randint(1, 4000)), completion_tokens=completion,
-        ttft_ms=maybe(rng.lognormvariate(4.5, 1.0)), itl_ms=maybe(rng.lognormvariate(2.5, 0.6)),
-        e2e_ms=rng.choice([0.0, rng.lognormvariate(6.5, 1.0), rng.uniform(0, 0.2), 2e5]),
-        # a quarter of the reported drafts are none at all, as in an in-engine schedule's K=0 band
-        spec_draft_tokens=maybe(rng.choice([0, rng.randint(0, 400), rng.randint(0, 400), rng.randint(0, 400)]), 0.3),
-        spec_accepted_tokens=maybe(rng.randint(0, 300), 0.1),
-        spec_steps=maybe(rng.randint(0, 100), 0.3),
-        **shadow_fields(rng),
-    )
-
-
-def shadow_fields(rng: random.Random) -> dict[str, Any]:
-    """A shadow comparison for about a third of the events, as the sidecar reports one: each field may be
-    missing on its own (an engine that cannot count tokens, no structured output, no quality check)."""
-    if rng.random() < 0.65:
-        return {}
-    match = rng.random() < 0.8
-    return {"shadow_match": match,
-            "shadow_first_diff": None if match or rng.random() < 0.2 else rng.randint(0, 500),
-            "shadow_structured_valid": rng.choice([None, None, True, False]),
-            "shadow_check_passed": rng.choice([None, True, True, False]),
-            "shadow_check_reason": rng.choice([None, "ok", "answers differ in meaning"])}
-
 
 def test_rollups_equal_the_raw_events_after_many_batches_replays_and_duplicates(
         client: TestClient, worker_key: dict[str, str], db: Engine) -> None:

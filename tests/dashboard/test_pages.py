@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from tests.support import dashboard_seed as seed
 from tests.support.apptest import app, button, changed_elsewhere, no_exception, page, texts, use
 from tests.support.dashboard_live import LiveControlPlane, mint_keys
 from tests.support.live import serve
+from tests.support.telemetry_data import event
 
 
 def _api(cp: LiveControlPlane, key: str | None = None) -> httpx.Client:
@@ -489,6 +492,37 @@ def test_recommendation_becomes_a_draft_revision(live_control_plane: LiveControl
     button(at, "Score it").click().run()
     no_exception(at)
     assert "Decisions changed" in [m.label for m in at.metric]
+    assert "Estimated from" not in texts(at.info)  # every recorded request was sent raw
+
+
+def test_what_if_says_when_it_rests_on_sampled_events(live_control_plane: LiveControlPlane,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = live_control_plane
+    active = seed.create_policy(cp.url, cp.admin, "seed.yaml", None, message="first")
+    (worker,) = seed.register_workers(cp.url, cp.worker, "fleet", 1)
+    when = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)).isoformat()
+    # Two requests sent raw and three samples of a worker that sends one request in 100 (raw_sample_rate 0.01).
+    events = [{**event(revision=active["id"], batch=2, worker=worker), "pool": "fleet", "time": when}
+              for _ in range(5)]
+    for e in events[2:]:
+        e["sample_weight"] = 100.0
+    with httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {cp.worker}"}, timeout=30) as api:
+        r = api.post("/v1/telemetry/batches", json={"batch_id": uuid.uuid4().hex, "worker_id": worker,
+                                                    "events": events})
+        assert r.status_code == 200, r.text
+        assert r.json()["stored"] == 5, r.text
+    use(monkeypatch, cp.url, cp.viewer)
+    at = page("recommendations").run()
+    no_exception(at)
+    button(at, "Score it").click().run()
+    no_exception(at)
+    assert _metric(at, "Decisions changed") == "0 of 302 (estimated)"
+    assert ("Estimated from 5 recorded requests, 3 of them sampled, standing for about 302 "
+            "(`telemetry.raw_sample_rate`: pre-aggregating workers send only a sample of their requests as raw "
+            "events).") in texts(at.info)
+    routes = _table(at, "decisions changed")
+    assert routes[["route", "requests", "recorded", "sampled"]].to_dict("records") == [
+        {"route": "chat", "requests": 302.0, "recorded": 5, "sampled": 3}]
 
 
 def _switchback_policy(cp: LiveControlPlane) -> None:

@@ -146,6 +146,11 @@ def test_valid_vector(group: dict[str, Any], case: dict[str, Any]) -> None:
         assert shadowed is case["shadow"], "sampled for a shadow comparison"
     else:
         assert document.quality is None, "a group with quality pins shadow in every case"
+    if "raw_sampled" in case:
+        sampled = policies.compile_policy(document, REVISION).raw_sampled(case["shape"]["request_id"])
+        assert sampled is case["raw_sampled"], "its raw event is sent (telemetry.raw_sample_rate)"
+    else:
+        assert document.telemetry is None, "a group with telemetry pins raw_sampled in every case"
 
 
 def _schedule_params() -> list[Any]:

@@ -41,6 +41,7 @@ class IngestDouble:
         self.mode = "ok"
         self.batches: dict[str, list[str]] = {}  # batch_id -> event ids, first arrival only
         self.accepted: list[str] = []  # event ids accepted, in arrival order
+        self.deltas: list[str] = []  # rollup delta ids of the batches, first arrival only
         self.posts = 0
         self.duplicates = 0
         self.gzipped = 0
@@ -89,6 +90,7 @@ class IngestDouble:
             kept = [e.event_id for i, e in enumerate(batch.events) if i not in refused]
             self.batches[batch.batch_id] = kept
             self.accepted.extend(kept)
+            self.deltas.extend(d.delta_id for d in batch.rollups)
         if self.mode == "answer_lost":
             return web.json_response({"title": "lost"}, status=500)
         return web.json_response({"batch_id": batch.batch_id, "accepted": len(batch.events) - len(refused),

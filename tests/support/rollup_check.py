@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import func, select
@@ -27,10 +28,16 @@ def expected_bucket(size: int) -> int:
 def recompute_from_raw(engine: Engine) -> tuple[dict[tuple[Any, ...], dict[str, float]],
                                                 dict[tuple[Any, ...], int]]:
     """Every rollup counter and histogram count, computed again from the raw events, plainly."""
-    counters: dict[tuple[Any, ...], dict[str, float]] = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
-    hist: dict[tuple[Any, ...], int] = defaultdict(int)
     with engine.connect() as conn:
         rows = conn.execute(select(TelemetryEventRecord.__table__)).mappings().all()
+    return recompute(rows)
+
+
+def recompute(rows: Sequence[Mapping[Any, Any]]) -> tuple[dict[tuple[Any, ...], dict[str, float]],
+                                                          dict[tuple[Any, ...], int]]:
+    """Every rollup counter and histogram count of these events (``time`` a datetime), plainly."""
+    counters: dict[tuple[Any, ...], dict[str, float]] = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
+    hist: dict[tuple[Any, ...], int] = defaultdict(int)
     for r in rows:
         t = r["time"].astimezone(dt.UTC)
         k0_band = not r["speculate"] and r["spec_draft_tokens"] is not None
@@ -87,7 +94,15 @@ def recompute_from_raw(engine: Engine) -> tuple[dict[tuple[Any, ...], dict[str, 
 
 def assert_rollups_equal_raw(engine: Engine) -> int:
     """Rollups == recomputation from raw events (integers exactly, float sums to 1e-9); returns #rows."""
-    expected, expected_hist = recompute_from_raw(engine)
+    return assert_rollups_equal(engine, recompute_from_raw(engine), raw_totals=True)
+
+
+def assert_rollups_equal(engine: Engine, expected_rollups: tuple[dict[tuple[Any, ...], dict[str, float]],
+                                                                 dict[tuple[Any, ...], int]],
+                         *, raw_totals: bool = False) -> int:
+    """The stored rollups == ``expected_rollups`` (:func:`recompute`'s); with ``raw_totals`` also, in plain
+    SQL, that the totals over all rollup rows equal those over all raw rows. Returns #rows."""
+    expected, expected_hist = expected_rollups
     key_cols = ("minute", "policy", "revision", "route", "engine", "batch_bucket", "explored", "k0")
     with engine.connect() as conn:
         rows = conn.execute(select(TelemetryRollup.__table__)).mappings().all()
@@ -96,9 +111,9 @@ def assert_rollups_equal_raw(engine: Engine) -> int:
                    TelemetryRollupHistogram.bucket, TelemetryRollupHistogram.count)
             .join(TelemetryRollup, TelemetryRollup.id == TelemetryRollupHistogram.rollup_id)).all()
         # And in plain SQL: totals over all rollup rows equal totals over all raw rows.
-        raw_totals = conn.execute(select(func.count(), func.sum(TelemetryEventRecord.retries),
-                                         func.sum(TelemetryEventRecord.e2e_ms))).one()
-        rollup_totals = conn.execute(select(func.sum(TelemetryRollup.requests), func.sum(TelemetryRollup.retries),
+        raw_sums = conn.execute(select(func.count(), func.sum(TelemetryEventRecord.retries),
+                                       func.sum(TelemetryEventRecord.e2e_ms))).one()
+        rollup_sums = conn.execute(select(func.sum(TelemetryRollup.requests), func.sum(TelemetryRollup.retries),
                                             func.sum(TelemetryRollup.e2e_ms_sum))).one()
     actual = {tuple(r[k] for k in key_cols): r for r in rows}
     assert set(actual) == set(expected)
@@ -110,7 +125,8 @@ def assert_rollups_equal_raw(engine: Engine) -> int:
             else:
                 assert got[name] == want[name], (key, name, got[name], want[name])
     assert {tuple(r[:-1]): r[-1] for r in hist_rows} == expected_hist
-    assert raw_totals[0] == (rollup_totals[0] or 0)
-    assert (raw_totals[1] or 0) == (rollup_totals[1] or 0)
-    assert math.isclose(raw_totals[2] or 0.0, rollup_totals[2] or 0.0, rel_tol=1e-9)
+    if raw_totals:
+        assert raw_sums[0] == (rollup_sums[0] or 0)
+        assert (raw_sums[1] or 0) == (rollup_sums[1] or 0)
+        assert math.isclose(raw_sums[2] or 0.0, rollup_sums[2] or 0.0, rel_tol=1e-9)
     return len(rows)

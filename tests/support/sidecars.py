@@ -58,8 +58,13 @@ class RecordingExporter:
 
     def __init__(self) -> None:
         self.events: list[TelemetryEvent] = []
+        self.aggregated: list[TelemetryEvent] = []  # submitted with aggregate=True (sampled or not)
 
-    def submit(self, event: TelemetryEvent) -> None:
+    def submit(self, event: TelemetryEvent, *, aggregate: bool = False) -> None:
+        if aggregate:
+            self.aggregated.append(event)
+            if event.sample_weight is None:
+                return
         self.events.append(event)
 
     def queue_depth(self) -> int:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import random
 from typing import Any
+
+T0 = dt.datetime(2026, 12, 2, 10, 0, tzinfo=dt.UTC)
 
 
 def event(n: int | str, **changes: Any) -> dict[str, Any]:
@@ -21,3 +25,43 @@ def event(n: int | str, **changes: Any) -> dict[str, Any]:
     }
     body.update(changes)
     return body
+
+
+def random_event(rng: random.Random, n: int, t0: dt.datetime = T0) -> dict[str, Any]:
+    """A valid event of random values over ten minutes from ``t0``: every rollup key field and counter varies."""
+    def maybe(value: Any, p: float = 0.15) -> Any:
+        return None if rng.random() < p else value
+
+    completion = maybe(rng.randint(0, 900))
+    return event(
+        n,
+        time=(t0 + dt.timedelta(seconds=rng.uniform(0, 600))).isoformat(),
+        policy=rng.choice(["seed", "other"]), revision=rng.choice(["rev-1", "rev-2", "rev-3"]),
+        route=rng.choice(["chat", "code", "rag", "agent"]), engine=rng.choice(["base", "draft", "ngram"]),
+        batch_size=rng.choice([0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 200]),
+        explored=rng.random() < 0.1, speculate=rng.random() < 0.5,
+        status=rng.choice(["ok"] * 8 + ["error", "client_disconnect", "upstream_error"]),
+        retries=rng.choice([0, 0, 0, 1, 2]), fallback=rng.random() < 0.05,
+        structured_valid=rng.choice([None, None, True, False]),
+        prompt_tokens=maybe(rng.randint(1, 4000)), completion_tokens=completion,
+        ttft_ms=maybe(rng.lognormvariate(4.5, 1.0)), itl_ms=maybe(rng.lognormvariate(2.5, 0.6)),
+        e2e_ms=rng.choice([0.0, rng.lognormvariate(6.5, 1.0), rng.uniform(0, 0.2), 2e5]),
+        # a quarter of the reported drafts are none at all, as in an in-engine schedule's K=0 band
+        spec_draft_tokens=maybe(rng.choice([0, rng.randint(0, 400), rng.randint(0, 400), rng.randint(0, 400)]), 0.3),
+        spec_accepted_tokens=maybe(rng.randint(0, 300), 0.1),
+        spec_steps=maybe(rng.randint(0, 100), 0.3),
+        **shadow_fields(rng),
+    )
+
+
+def shadow_fields(rng: random.Random) -> dict[str, Any]:
+    """A shadow comparison for about a third of the events, as the sidecar reports one: each field may be
+    missing on its own (an engine that cannot count tokens, no structured output, no quality check)."""
+    if rng.random() < 0.65:
+        return {}
+    match = rng.random() < 0.8
+    return {"shadow_match": match,
+            "shadow_first_diff": None if match or rng.random() < 0.2 else rng.randint(0, 500),
+            "shadow_structured_valid": rng.choice([None, None, True, False]),
+            "shadow_check_passed": rng.choice([None, True, True, False]),
+            "shadow_check_reason": rng.choice([None, "ok", "answers differ in meaning"])}

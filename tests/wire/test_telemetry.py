@@ -43,7 +43,7 @@ def values(**overrides: Any) -> dict[str, Any]:
         retries=0, fallback=False, fallback_reason=None, structured_valid=None, spec_draft_tokens=20,
         spec_accepted_tokens=13, spec_acceptance_rate=0.65, spec_mean_acceptance_length=2.6, spec_steps=5,
         engine_ttft_ms=1.25, engine_itl_ms=0.5, engine_queue_ms=0.01, shadow_match=False, shadow_first_diff=7,
-        shadow_structured_valid=None, shadow_check_passed=True, shadow_check_reason="same meaning")
+        shadow_structured_valid=None, shadow_check_passed=True, shadow_check_reason="same meaning", sample_weight=None)
     assert list(base) == FIELDS  # trusted() wants every field in field order
     base.update(overrides)
     return base
