@@ -27,9 +27,10 @@ alone, counted and logged, and can never cost the other events of its batch.
 
 Under pre-aggregation (the policy's ``telemetry.raw_sample_rate`` below 1,
 ``submit(event, aggregate=True)``) each request is added to running rollup
-deltas, finished at every flush and carried in the batches' ``rollups``
-through the same sending, spooling, splitting and retrying; only sampled
-events are queued. See docs/sidecar-request-path.md.
+deltas, finished every ``telemetry_rollup_flush_s`` and carried in the
+batches' ``rollups`` through the same sending, spooling, splitting and
+retrying; only sampled events are queued, and they wait for the deltas
+(unless a batch's worth waits). See docs/sidecar-request-path.md.
 
 Every event ends up counted exactly once: ``queued + recovered == sent +
 dropped + queue_depth()`` at all times (``recovered``: events found in the
@@ -267,7 +268,8 @@ class TelemetryExporter:
         """Turn the running deltas into finished ones, queued for the next batches.
 
         A delta is what this worker's requests added to a key since the last one: the control plane adds them
-        up, so a key gets a delta per flush while its minute has requests finishing.
+        up, so a key gets a delta per rollup flush while its minute has requests finishing (a minute that spans
+        two flushes, or a long request admitted in it, makes a second one).
         """
         running, self._rollups = self._rollups, {}
         for pool, deltas in running.items():
